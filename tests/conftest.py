@@ -1,0 +1,12 @@
+"""The suite runs on CPU with 8 virtual devices; the flag must be set before jax loads."""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
