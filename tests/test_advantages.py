@@ -1,0 +1,51 @@
+"""GRPO-family advantage estimators against numbers worked out by hand."""
+import numpy as np
+import pytest
+
+from lrl.rl import advantages
+
+
+def test_grpo_uses_ddof1_std():
+    # mean 0.5, deviations ±0.5, unbiased var = 4·0.25/3 = 1/3, std = 0.57735.
+    a = advantages(np.array([[1.0, 0.0, 0.0, 1.0]]), "grpo", eps=0.0)
+    np.testing.assert_allclose(a, [[0.8660254, -0.8660254, -0.8660254, 0.8660254]], rtol=1e-6)
+    # eps enters the denominator: 0.5 / (0.57735 + 0.1).
+    a = advantages(np.array([[1.0, 0.0, 0.0, 1.0]]), "grpo", eps=0.1)
+    np.testing.assert_allclose(a[0, 0], 0.5 / (0.5773503 + 0.1), rtol=1e-6)
+
+
+def test_grpo_constant_group_is_zero_not_nan():
+    a = advantages(np.array([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]), "grpo")
+    np.testing.assert_array_equal(a, np.zeros((2, 3)))
+
+
+def test_dr_grpo_only_centres():
+    a = advantages(np.array([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 1.0, 1.0]]), "dr_grpo")
+    np.testing.assert_allclose(a, [[0.5, -0.5, -0.5, 0.5], [1.5, -0.5, -0.5, -0.5]], rtol=1e-6)
+
+
+def test_rloo_leave_one_out():
+    # Row 0: 1 - (0+0+1)/3 = 2/3, 0 - (1+0+1)/3 = -2/3. Row 1: 3 - 1 = 2, 1 - 5/3 = -2/3.
+    a = advantages(np.array([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 1.0, 1.0]]), "rloo")
+    np.testing.assert_allclose(a, [[2 / 3, -2 / 3, -2 / 3, 2 / 3], [2.0, -2 / 3, -2 / 3, -2 / 3]],
+                               rtol=1e-6)
+
+
+def test_reinforce_pp_whitens_over_batch():
+    # Centred per group: [[0.5, -0.5], [0, 0]]; batch mean 0; unbiased var = 0.5/3; std 0.408248.
+    a = advantages(np.array([[1.0, 0.0], [2.0, 2.0]]), "reinforce_pp", eps=0.0)
+    np.testing.assert_allclose(a, [[1.2247449, -1.2247449], [0.0, 0.0]], rtol=1e-6)
+    # The whitening is over the batch, not the group: a shifted second group changes nothing,
+    # a scaled one does.
+    b = advantages(np.array([[1.0, 0.0], [7.0, 5.0]]), "reinforce_pp", eps=0.0)
+    # Centred [[.5,-.5],[1,-1]]; mean 0; var = (0.25·2 + 1·2)/3 = 5/6.
+    np.testing.assert_allclose(b, np.array([[0.5, -0.5], [1.0, -1.0]]) / np.sqrt(5 / 6), rtol=1e-6)
+
+
+def test_errors_name_the_culprit():
+    with pytest.raises(ValueError, match=r"G=1.*G >= 2"):
+        advantages(np.zeros((4, 1)))
+    with pytest.raises(ValueError, match=r"'ppo'.*grpo.*dr_grpo.*rloo.*reinforce_pp"):
+        advantages(np.zeros((2, 2)), "ppo")
+    with pytest.raises(ValueError, match=r"\[P, G\]"):
+        advantages(np.zeros(4))
