@@ -1,0 +1,166 @@
+"""Synthetic verifiable tasks for the default experiment: they need nothing downloaded, their
+answers are checked exactly, and key-value retrieval needs the whole (long) context.
+
+Tasks (every example is a pure function of `(seed, index)`, so any index can be read in any
+order — what grain's random access wants):
+
+* ``kv_retrieval`` — the prompt lists `n` pairs ``key: value`` (keys: `key_len` lowercase
+  letters, distinct; values: `value_len` digits, first digit non-zero) and asks for the value
+  of one key; `n` is uniform in ``[min_pairs, num_pairs]``. Answer: that value, e.g. ``4821``.
+* ``arithmetic`` — a chain of `m` small non-negative integers (``0..max_operand``) joined by
+  ``+`` and ``-``, with `m` uniform in ``[min_terms, num_terms]``; every running total stays
+  non-negative. Answer: the result in decimal, e.g. ``17``.
+
+Example record (`make_example`)::
+
+    {"messages": [{"role": "user", "content": prompt}], "prompt": prompt,
+     "answer": "4821", "task": "kv_retrieval", "metadata": {...}}
+
+ANSWER FORMAT (what the scorer in lrl/rewards/ checks):
+  * A completion is correct iff the text inside its LAST ``\\boxed{...}`` equals ``answer``
+    exactly after stripping surrounding whitespace (both are plain ASCII strings: digits only
+    for both tasks, no sign, no leading zeros, no thousands separators).
+  * The well-formed shape, which the SFT warm start teaches, is::
+
+        <think>{steps}</think>\\n\\boxed{answer}
+
+    where for kv_retrieval `{steps}` is the matching line, ``qzv: 4821``, and for arithmetic
+    one line per operation, ``3 + 5 = 8\\n8 - 2 = 6``. With ``think=False`` the response is
+    just ``\\boxed{answer}``. Nothing follows the box (the chat turn then ends with the EOS
+    token ``<|im_end|>``, which is not part of the response text).
+  * Every prompt ends with the instruction ``Answer with \\boxed{...}.`` so real models know
+    the format too.
+
+`sft_example` gives ``{"messages", "response", "answer", "task", "metadata"}`` records for the
+warm start; `synthetic_corpus` gives texts to train the local tokenizer on.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _rng(task: str, seed: int, index: int) -> np.random.Generator:
+    if index < 0:
+        raise IndexError(f"synthetic {task}: index {index} is negative")
+    # The task name is mixed in so two tasks with one seed are independent streams.
+    salt = zlib.crc32(task.encode())
+    return np.random.default_rng(np.random.SeedSequence([int(seed), int(index), salt]))
+
+
+def _check_range(task: str, name_lo: str, lo: int, name_hi: str, hi: int, floor: int) -> None:
+    if not floor <= lo <= hi:
+        raise ValueError(f"synthetic {task}: need {floor} <= {name_lo} ({lo}) <= {name_hi} ({hi})")
+
+
+def kv_retrieval(seed: int, index: int, *, num_pairs: int = 32, min_pairs: int | None = None,
+                 key_len: int = 3, value_len: int = 4) -> dict[str, Any]:
+    """Example `index` of the key-value retrieval task (see the module docstring)."""
+    min_pairs = num_pairs if min_pairs is None else min_pairs
+    _check_range("kv_retrieval", "min_pairs", min_pairs, "num_pairs", num_pairs, 1)
+    if key_len < 1 or value_len < 1:
+        raise ValueError(f"synthetic kv_retrieval: key_len={key_len} and value_len={value_len} "
+                         "must be >= 1")
+    if num_pairs > 26 ** key_len // 2:  # keep rejection sampling of distinct keys cheap
+        raise ValueError(f"synthetic kv_retrieval: num_pairs={num_pairs} is too many for "
+                         f"key_len={key_len} (at most {26 ** key_len // 2})")
+    rng = _rng("kv_retrieval", seed, index)
+    n = int(rng.integers(min_pairs, num_pairs + 1))
+    keys: list[str] = []
+    seen: set[str] = set()
+    while len(keys) < n:
+        key = "".join(_LETTERS[i] for i in rng.integers(0, 26, key_len))
+        if key not in seen:
+            seen.add(key)
+            keys.append(key)
+    first = rng.integers(1, 10, n)
+    rest = rng.integers(0, 10, (n, value_len - 1))
+    values = ["".join(map(str, [f, *r])) for f, r in zip(first, rest)]
+    position = int(rng.integers(0, n))
+    lines = "\n".join(f"{k}: {v}" for k, v in zip(keys, values))
+    prompt = (f"Here are {n} key-value pairs.\n{lines}\n"
+              f"What is the value of key {keys[position]}? Answer with \\boxed{{...}}.")
+    meta = {"seed": int(seed), "index": int(index), "num_pairs": n,
+            "key": keys[position], "position": position}
+    return _record("kv_retrieval", prompt, values[position], meta,
+                   steps=f"{keys[position]}: {values[position]}")
+
+
+def arithmetic(seed: int, index: int, *, num_terms: int = 4, min_terms: int | None = None,
+               max_operand: int = 9) -> dict[str, Any]:
+    """Example `index` of the chained addition/subtraction task (see the module docstring)."""
+    min_terms = num_terms if min_terms is None else min_terms
+    _check_range("arithmetic", "min_terms", min_terms, "num_terms", num_terms, 2)
+    if max_operand < 1:
+        raise ValueError(f"synthetic arithmetic: max_operand={max_operand} must be >= 1")
+    rng = _rng("arithmetic", seed, index)
+    m = int(rng.integers(min_terms, num_terms + 1))
+    total = int(rng.integers(0, max_operand + 1))
+    expr, steps = [str(total)], []
+    for _ in range(m - 1):
+        x = int(rng.integers(0, max_operand + 1))
+        # Subtract only when the total stays non-negative: answers never carry a sign.
+        op = "-" if rng.random() < 0.5 and x <= total else "+"
+        new = total - x if op == "-" else total + x
+        expr.append(f"{op} {x}")
+        steps.append(f"{total} {op} {x} = {new}")
+        total = new
+    prompt = f"Compute {' '.join(expr)}. Answer with \\boxed{{...}}."
+    meta = {"seed": int(seed), "index": int(index), "num_terms": m}
+    return _record("arithmetic", prompt, str(total), meta, steps="\n".join(steps))
+
+
+def _record(task: str, prompt: str, answer: str, meta: dict, steps: str) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": prompt}], "prompt": prompt,
+            "answer": answer, "task": task, "metadata": {**meta, "steps": steps}}
+
+
+TASKS: dict[str, Callable[..., dict[str, Any]]] = {
+    "kv_retrieval": kv_retrieval,
+    "arithmetic": arithmetic,
+}
+
+
+def make_example(task: str, seed: int, index: int, **task_kwargs) -> dict[str, Any]:
+    """Example `index` of `task` ("kv_retrieval" or "arithmetic") under `seed`."""
+    if task not in TASKS:
+        raise ValueError(f"unknown synthetic task {task!r}; known: {sorted(TASKS)}")
+    return TASKS[task](seed, index, **task_kwargs)
+
+
+def sft_response(example: dict[str, Any], think: bool = True) -> str:
+    """The target completion of `example` in the documented answer format."""
+    boxed = f"\\boxed{{{example['answer']}}}"
+    if not think:
+        return boxed
+    return f"<think>{example['metadata']['steps']}</think>\n{boxed}"
+
+
+def sft_example(task: str, seed: int, index: int, think: bool = True,
+                **task_kwargs) -> dict[str, Any]:
+    """`make_example` plus ``"response"``: the (prompt, response) record of the SFT warm start."""
+    example = make_example(task, seed, index, **task_kwargs)
+    return {**example, "response": sft_response(example, think=think)}
+
+
+def synthetic_corpus(num_examples: int = 2000, seed: int = 0,
+                     tasks: Iterable[str] = ("kv_retrieval", "arithmetic"),
+                     task_kwargs: dict[str, dict] | None = None) -> list[str]:
+    """Texts to train the local tokenizer on: prompts and SFT responses of the tasks, plus the
+    chat role names, so that keys, instructions and the answer format tokenize compactly.
+    The tasks share the examples in turn; `task_kwargs[task]` are passed to the task."""
+    tasks = list(tasks)
+    if not tasks:
+        raise ValueError("synthetic_corpus: no tasks given")
+    task_kwargs = task_kwargs or {}
+    texts = ["system\nuser\nassistant\n"] * 8
+    for i in range(num_examples):
+        task = tasks[i % len(tasks)]
+        ex = sft_example(task, seed, i, **task_kwargs.get(task, {}))
+        texts.append(ex["prompt"])
+        texts.append(ex["response"])
+    return texts
