@@ -1,0 +1,248 @@
+"""Clipped policy-gradient objectives of the GRPO family (PPO clip, clip-higher, dual clip,
+GSPO sequence ratios), KL to a reference, entropy bonus, truncated importance sampling.
+
+The core works on packed rows: several sequences per row, told apart by segment ids
+(0 = padding, 1, 2, ... = sequences of that row), with one advantage per token. Every
+aggregation is written as a per-token weight whose denominators (masked tokens, sequences,
+B·max_len) are computed ONCE over the whole minibatch by `loss_denominators`; a micro-batch
+then contributes sum(weight · term), so summing the contributions of micro-batches and data
+shards gives exactly the one-big-batch loss (and gradient). `policy_loss` is the plain
+[B, T] form (one sequence per row, one advantage per row) written over the packed core.
+
+Dimension letters: B batch rows · T positions.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+RATIO_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+# Log-ratios are clamped before exp so one wild token cannot overflow (verl does the same).
+_MAX_LOG_RATIO = 20.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Options of the objective; see `policy_loss` for their meaning."""
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    ratio_level: str = "token"
+    aggregation: str = "token_mean"
+    max_len: int | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None
+
+    def __post_init__(self):
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"loss: unknown aggregation {self.aggregation!r}; valid: {AGGREGATIONS}")
+        if self.ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"loss: unknown ratio_level {self.ratio_level!r}; valid: {RATIO_LEVELS}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"loss: unknown kl_estimator {self.kl_estimator!r}; valid: {KL_ESTIMATORS}")
+        if not (0.0 <= self.clip_low < 1.0) or self.clip_high < 0.0:
+            raise ValueError(f"loss: need 0 <= clip_low < 1 and clip_high >= 0, got "
+                             f"clip_low={self.clip_low}, clip_high={self.clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"loss: dual_clip must be > 1 (verl uses 3), got {self.dual_clip}")
+        if self.tis_cap is not None and self.tis_cap <= 0.0:
+            raise ValueError(f"loss: tis_cap must be positive, got {self.tis_cap}")
+        if self.max_len is not None and self.max_len <= 0:
+            raise ValueError(f"loss: max_len must be positive, got {self.max_len}")
+
+
+class Denominators(NamedTuple):
+    """Normalisers of a whole minibatch (all micro-batches, all data shards)."""
+    tokens: jax.Array     # masked (trained) tokens
+    sequences: jax.Array  # sequences with at least one masked token
+    sum_norm: jax.Array   # (number of sequences) · max_len, for seq_mean_token_sum_norm
+
+
+def _segment_slots(segment_ids_BT):
+    """A flat slot per (row, segment id) and the number of slots: ids lie in [0, T]."""
+    b, t = segment_ids_BT.shape
+    return segment_ids_BT + (t + 1) * jnp.arange(b, dtype=segment_ids_BT.dtype)[:, None], b * (t + 1)
+
+
+def _segment_sum(x_BT, slots_BT, n):
+    return jax.ops.segment_sum(x_BT.reshape(-1), slots_BT.reshape(-1), num_segments=n)
+
+
+def _float_mask(mask_BT, segment_ids_BT):
+    # Padding (segment 0) never trains, whatever the mask says.
+    return jnp.where(segment_ids_BT > 0, mask_BT.astype(jnp.float32), 0.0)
+
+
+def loss_denominators(mask_BT, segment_ids_BT, max_len: int | None = None) -> Denominators:
+    """Denominators from the loss mask of the WHOLE minibatch (call once, outside the
+    micro-batch loop). `max_len` is only needed by seq_mean_token_sum_norm."""
+    mask_BT = _float_mask(mask_BT, segment_ids_BT)
+    slots_BT, n = _segment_slots(segment_ids_BT)
+    seq_tokens = _segment_sum(mask_BT, slots_BT, n)
+    sequences = jnp.sum(seq_tokens > 0).astype(jnp.float32)
+    sum_norm = sequences * (max_len if max_len is not None else jnp.nan)
+    return Denominators(tokens=mask_BT.sum(), sequences=sequences, sum_norm=sum_norm)
+
+
+def token_weights(mask_BT, segment_ids_BT, denoms: Denominators, aggregation: str):
+    """Per-token weights w such that the aggregated value of a per-token x is sum(w · x)."""
+    mask_BT = _float_mask(mask_BT, segment_ids_BT)
+    if aggregation == "token_mean":
+        return mask_BT / jnp.maximum(denoms.tokens, 1.0)
+    if aggregation == "seq_mean_token_mean":
+        slots_BT, n = _segment_slots(segment_ids_BT)
+        seq_tokens_BT = _segment_sum(mask_BT, slots_BT, n)[slots_BT]
+        return mask_BT / jnp.maximum(seq_tokens_BT, 1.0) / jnp.maximum(denoms.sequences, 1.0)
+    if aggregation == "seq_mean_token_sum_norm":
+        return mask_BT / denoms.sum_norm
+    raise ValueError(f"loss: unknown aggregation {aggregation!r}; valid: {AGGREGATIONS}")
+
+
+def _kl(logp_BT, ref_logp_BT, estimator: str):
+    d_BT = jnp.clip(ref_logp_BT - logp_BT, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # log(ref / pi)
+    if estimator == "k1":
+        return -d_BT
+    if estimator == "k2":
+        return 0.5 * d_BT ** 2
+    return jnp.exp(d_BT) - d_BT - 1.0
+
+
+def packed_policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, segment_ids_BT,
+                       denoms: Denominators, cfg: LossConfig, *, ref_logp_BT=None,
+                       rollout_logp_BT=None, entropy_BT=None):
+    """Loss contribution of one micro-batch of packed rows, and its summable metrics.
+
+    All per-token inputs are [B, T]; `denoms` come from `loss_denominators` over the whole
+    minibatch. The returned loss and the metrics (see `combine_metrics`) add up over
+    micro-batches to the values of the whole minibatch.
+    """
+    arrays = dict(logp_BT=logp_BT, old_logp_BT=old_logp_BT, adv_BT=adv_BT, mask_BT=mask_BT,
+                  segment_ids_BT=segment_ids_BT, ref_logp_BT=ref_logp_BT,
+                  rollout_logp_BT=rollout_logp_BT, entropy_BT=entropy_BT)
+    for name, a in arrays.items():
+        if a is not None and a.shape != logp_BT.shape:
+            raise ValueError(f"loss: {name} has shape {a.shape}, expected {logp_BT.shape}")
+    if cfg.tis_cap is not None and rollout_logp_BT is None:
+        raise ValueError("loss: tis_cap is set but rollout_logp_BT was not given")
+    if cfg.kl_coef != 0.0 and ref_logp_BT is None:
+        raise ValueError(f"loss: kl_coef={cfg.kl_coef} needs ref_logp_BT")
+    if cfg.entropy_coef != 0.0 and entropy_BT is None:
+        raise ValueError(f"loss: entropy_coef={cfg.entropy_coef} needs entropy_BT")
+    if cfg.aggregation == "seq_mean_token_sum_norm" and cfg.max_len is None:
+        raise ValueError("loss: aggregation seq_mean_token_sum_norm needs max_len")
+
+    m_BT = _float_mask(mask_BT, segment_ids_BT)
+    on_BT = m_BT > 0
+    logp_BT = logp_BT.astype(jnp.float32)
+    adv_BT = adv_BT.astype(jnp.float32)
+    # Masked-out positions may hold anything (padding, -inf); keep them out of exp.
+    log_ratio_BT = jnp.where(on_BT, logp_BT - old_logp_BT.astype(jnp.float32), 0.0)
+    if cfg.ratio_level == "sequence":
+        # GSPO: the value is the sequence ratio exp(mean log-ratio); the gradient per token is
+        # ratio · dlogp_t, so with seq_mean_token_mean it is exactly d(sequence ratio).
+        slots_BT, n = _segment_slots(segment_ids_BT)
+        seq_lr = _segment_sum(log_ratio_BT * m_BT, slots_BT, n)
+        seq_lr = seq_lr / jnp.maximum(_segment_sum(m_BT, slots_BT, n), 1.0)
+        log_ratio_BT = logp_BT - jax.lax.stop_gradient(logp_BT) + jax.lax.stop_gradient(
+            seq_lr[slots_BT])
+        log_ratio_BT = jnp.where(on_BT, log_ratio_BT, 0.0)
+    ratio_BT = jnp.exp(jnp.clip(log_ratio_BT, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+
+    pg_BT = jnp.maximum(-adv_BT * ratio_BT,
+                        -adv_BT * jnp.clip(ratio_BT, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high))
+    neg_BT = adv_BT < 0
+    if cfg.dual_clip is not None:
+        pg_BT = jnp.where(neg_BT, jnp.minimum(pg_BT, -adv_BT * cfg.dual_clip), pg_BT)
+    if cfg.tis_cap is not None:
+        # Truncated importance sampling (verl's TIS): the rollout engine's numerics differ
+        # from the trainer's, so reweight by the (capped) trainer/rollout ratio.
+        tis_BT = jnp.exp(jnp.clip(old_logp_BT.astype(jnp.float32) - rollout_logp_BT,
+                                  -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        tis_BT = jax.lax.stop_gradient(jnp.minimum(jnp.where(on_BT, tis_BT, 1.0), cfg.tis_cap))
+        pg_BT = pg_BT * tis_BT
+    else:
+        tis_BT = jnp.ones_like(ratio_BT)
+
+    w_BT = token_weights(m_BT, segment_ids_BT, denoms, cfg.aggregation)
+    pg_loss = jnp.sum(w_BT * jnp.where(on_BT, pg_BT, 0.0))
+    kl = (jnp.sum(w_BT * jnp.where(on_BT, _kl(logp_BT, ref_logp_BT, cfg.kl_estimator), 0.0))
+          if ref_logp_BT is not None else jnp.zeros((), jnp.float32))
+    entropy = (jnp.sum(w_BT * jnp.where(on_BT, entropy_BT.astype(jnp.float32), 0.0))
+               if entropy_BT is not None else jnp.zeros((), jnp.float32))
+    loss = pg_loss + cfg.kl_coef * kl - cfg.entropy_coef * entropy
+
+    tok = jnp.maximum(denoms.tokens, 1.0)
+    frac = lambda c_BT: jnp.sum(jnp.where(on_BT & c_BT, 1.0, 0.0)) / tok  # noqa: E731
+    ratio_sg = jax.lax.stop_gradient(ratio_BT)
+    metrics = {
+        "loss": loss, "pg_loss": pg_loss, "kl": kl, "entropy": entropy,
+        "clip_frac_low": frac(neg_BT & (ratio_sg < 1.0 - cfg.clip_low)),
+        "clip_frac_high": frac((adv_BT > 0) & (ratio_sg > 1.0 + cfg.clip_high)),
+        "dual_clip_frac": (frac(neg_BT & (ratio_sg > cfg.dual_clip))
+                           if cfg.dual_clip is not None else jnp.zeros((), jnp.float32)),
+        "ratio_mean": jnp.sum(jnp.where(on_BT, ratio_sg, 0.0)) / tok,
+        "ratio_min": jnp.min(jnp.where(on_BT, ratio_sg, jnp.inf)),
+        "ratio_max": jnp.max(jnp.where(on_BT, ratio_sg, -jnp.inf)),
+        "tis_weight_mean": jnp.sum(jnp.where(on_BT, tis_BT, 0.0)) / tok,
+        "tokens": m_BT.sum(),
+    }
+    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def combine_metrics(a: dict, b: dict) -> dict:
+    """Merges the metrics of two micro-batches: extremes by min/max, everything else adds."""
+    if a.keys() != b.keys():
+        raise ValueError(f"combine_metrics: different keys {sorted(a)} vs {sorted(b)}")
+    out = {}
+    for k in a:
+        op = jnp.minimum if k.endswith("_min") else jnp.maximum if k.endswith("_max") else jnp.add
+        out[k] = op(a[k], b[k])
+    return out
+
+
+def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, *, clip_low=0.2, clip_high=0.2,
+                dual_clip=None, ratio_level="token", aggregation="token_mean", max_len=None,
+                ref_logp_BT=None, kl_coef=0.0, kl_estimator="k3", entropy_BT=None,
+                entropy_coef=0.0, rollout_logp_BT=None, tis_cap=None):
+    """Clipped policy-gradient loss of B sequences (one per row) -> (loss, metrics).
+
+    ratio = exp(logp - old_logp) per token (`ratio_level="token"`) or, GSPO, the exp of the
+    masked mean log-ratio of the sequence (`"sequence"`); per-token loss
+    max(-A·ratio, -A·clip(ratio, 1-clip_low, 1+clip_high)) (clip-higher when clip_high >
+    clip_low, as DAPO); `dual_clip=c` caps it at -c·A where A < 0 (as verl).
+    aggregation: token_mean = sum / masked tokens (DAPO); seq_mean_token_mean = mean over
+    sequences of each sequence's token mean (GRPO); seq_mean_token_sum_norm = sum /
+    (B · max_len), max_len defaulting to T (Dr. GRPO).
+    KL to the reference (k1 = logp - ref, k2 = ½(logp - ref)², k3 = exp(ref - logp) -
+    (ref - logp) - 1) aggregated the same way, times kl_coef; minus entropy_coef × the
+    aggregated entropy. With `tis_cap`, the per-token policy term is weighted by
+    min(exp(old_logp - rollout_logp), tis_cap), without gradient (truncated IS, as verl).
+    """
+    logp_BT = jnp.asarray(logp_BT)
+    if logp_BT.ndim != 2:
+        raise ValueError(f"policy_loss: logp_BT must be [B, T], got shape {logp_BT.shape}")
+    b, t = logp_BT.shape
+    adv_B = jnp.asarray(adv_B)
+    if adv_B.shape != (b,):
+        raise ValueError(f"policy_loss: adv_B must be [B]=({b},), got shape {adv_B.shape}")
+    cfg = LossConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+                     ratio_level=ratio_level, aggregation=aggregation,
+                     max_len=t if max_len is None else max_len, kl_coef=kl_coef,
+                     kl_estimator=kl_estimator, entropy_coef=entropy_coef, tis_cap=tis_cap)
+    seg_BT = jnp.ones((b, t), jnp.int32)
+    # Unpacked, B counts every row (Dr. GRPO's constant normaliser), even one without tokens.
+    denoms = loss_denominators(mask_BT, seg_BT)._replace(
+        sum_norm=jnp.asarray(float(b * cfg.max_len), jnp.float32))
+    adv_BT = jnp.broadcast_to(adv_B[:, None], (b, t))
+    as_array = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
+    return packed_policy_loss(logp_BT, jnp.asarray(old_logp_BT), adv_BT, jnp.asarray(mask_BT),
+                              seg_BT, denoms, cfg, ref_logp_BT=as_array(ref_logp_BT),
+                              rollout_logp_BT=as_array(rollout_logp_BT),
+                              entropy_BT=as_array(entropy_BT))
