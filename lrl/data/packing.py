@@ -1,0 +1,196 @@
+"""Packing of variable-length (prompt, completion) sequences into fixed-length rows [B, T].
+
+B batch rows · T positions in a row.
+
+A sequence is ``prompt + completion``; several sequences share a row, each one a *segment*.
+`pack` returns numpy arrays (host side; the loop shards them onto the mesh):
+
+  tokens       int32 [B, T]  the token ids, 0 on padding
+  positions    int32 [B, T]  0, 1, ... restarting at every segment, 0 on padding
+  segment_ids  int32 [B, T]  1, 2, ... the segment's index within its row; 0 = padding
+  targets      int32 [B, T]  the next token of the same segment; 0 at a segment's last
+                             position and on padding
+  loss_mask  float32 [B, T]  1.0 where the TARGET is a completion token, i.e. positions
+                             ``len(prompt) - 1 ... len(prompt) + len(completion) - 2``
+  <seq key>  float32 [B, T]  a per-sequence value (e.g. the advantage) on every position of
+                             its segment, 0 on padding
+  <tok key>  float32 [B, T]  a per-completion-token value (e.g. old log-prob of completion
+                             token j) at the position whose target is that token, else 0
+
+Rows are filled by first-fit decreasing (longest sequence first, into the first row with
+room), and their number is padded with empty rows up to a multiple the caller gives, so the
+batch divides over devices and micro-batches. `unpack` inverts `pack` through the returned
+layout; `sft_pack` is `pack` for (prompt, response) records.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+BASE_KEYS = ("tokens", "positions", "segment_ids", "targets", "loss_mask")
+
+
+def first_fit(lengths: Sequence[int], row_len: int, *, decreasing: bool = True,
+              max_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Places sequences of `lengths` into rows of `row_len` tokens.
+
+    Returns (row, start) per sequence, in input order; with `max_rows`, sequences that fit in
+    no row get row = start = -1. Ties keep input order, so the placement is deterministic.
+    """
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.size and lengths.max() > row_len:
+        i = int(np.argmax(lengths))
+        raise ValueError(f"first_fit: sequence {i} has {lengths[i]} tokens > row_len {row_len}")
+    order = np.argsort(-lengths, kind="stable") if decreasing else np.arange(lengths.size)
+    row = np.full(lengths.size, -1, np.int64)
+    start = np.full(lengths.size, -1, np.int64)
+    used = np.zeros(0, np.int64)  # tokens used per open row
+    for i in order:
+        fits = np.flatnonzero(used + lengths[i] <= row_len)
+        if fits.size:
+            r = int(fits[0])
+        elif max_rows is None or used.size < max_rows:
+            r = used.size
+            used = np.append(used, 0)
+        else:
+            continue
+        row[i], start[i] = r, used[r]
+        used[r] += lengths[i]
+    return row, start
+
+
+def _as_ids(x: Any, what: str) -> np.ndarray:
+    a = np.asarray(x)
+    if a.ndim != 1 or not (a.size == 0 or np.issubdtype(a.dtype, np.integer)):
+        raise ValueError(f"pack: {what} must be a 1-D integer array, got shape {a.shape} "
+                         f"dtype {a.dtype}")
+    return a.astype(np.int32)
+
+
+def pack(prompts: Sequence[Any], completions: Sequence[Any], row_len: int, *,
+         seq_values: Mapping[str, Sequence[float]] | None = None,
+         token_values: Mapping[str, Sequence[Any]] | None = None,
+         rows_multiple: int = 1, min_rows: int = 0, truncate: bool = False,
+         decreasing: bool = True) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Packs ``prompts[i] + completions[i]`` into rows of `row_len` tokens.
+
+    `seq_values[key][i]` is broadcast over sequence i; `token_values[key][i]` has one value per
+    completion token of sequence i. A sequence longer than `row_len` is an error, or with
+    `truncate` its completion (and its token values) is cut to fit, and counted. The number of
+    rows is at least `min_rows`, rounded up to a multiple of `rows_multiple`.
+
+    Returns (batch, layout): batch as in the module docstring; layout holds per-sequence
+    ``row``, ``start``, ``prompt_len``, ``completion_len`` (after truncation), the counters
+    ``num_truncated`` and ``truncated_tokens``, and the value keys, for `unpack`.
+    """
+    seq_values, token_values = dict(seq_values or {}), dict(token_values or {})
+    n = len(prompts)
+    if len(completions) != n:
+        raise ValueError(f"pack: {n} prompts but {len(completions)} completions")
+    if row_len < 2 or rows_multiple < 1 or min_rows < 0:
+        raise ValueError(f"pack: need row_len >= 2 (got {row_len}), rows_multiple >= 1 "
+                         f"(got {rows_multiple}), min_rows >= 0 (got {min_rows})")
+    for key in list(seq_values) + list(token_values):
+        if key in BASE_KEYS or (key in seq_values and key in token_values):
+            raise ValueError(f"pack: value key {key!r} clashes with another output key")
+    for key, vals in {**seq_values, **token_values}.items():
+        if len(vals) != n:
+            raise ValueError(f"pack: values {key!r} have {len(vals)} entries for {n} sequences")
+
+    p_ids = [_as_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
+    c_ids = [_as_ids(c, f"completion {i}") for i, c in enumerate(completions)]
+    tok_vals = {k: [np.asarray(v, np.float32).reshape(-1) for v in vs]
+                for k, vs in token_values.items()}
+    num_truncated = truncated_tokens = 0
+    for i in range(n):
+        p, c = len(p_ids[i]), len(c_ids[i])
+        if p < 1:
+            raise ValueError(f"pack: prompt {i} is empty; its first completion token would "
+                             "have no position to be predicted from")
+        for key, vs in tok_vals.items():
+            if vs[i].size != c:
+                raise ValueError(f"pack: token values {key!r} of sequence {i} have "
+                                 f"{vs[i].size} entries for {c} completion tokens")
+        if p + c > row_len:
+            if not truncate:
+                raise ValueError(f"pack: sequence {i} has {p} prompt + {c} completion tokens "
+                                 f"> row_len {row_len} (pass truncate=True to cut completions)")
+            if p >= row_len:
+                raise ValueError(f"pack: prompt {i} has {p} tokens, leaving no room for its "
+                                 f"completion in row_len {row_len}")
+            keep = row_len - p
+            num_truncated += 1
+            truncated_tokens += c - keep
+            c_ids[i] = c_ids[i][:keep]
+            for vs in tok_vals.values():
+                vs[i] = vs[i][:keep]
+
+    p_len = np.array([len(x) for x in p_ids], np.int64)
+    c_len = np.array([len(x) for x in c_ids], np.int64)
+    row, start = first_fit(p_len + c_len, row_len, decreasing=decreasing)
+    num_rows = max(int(row.max()) + 1 if n else 0, min_rows)
+    num_rows = -(-num_rows // rows_multiple) * rows_multiple
+
+    shape = (num_rows, row_len)
+    batch = {"tokens": np.zeros(shape, np.int32), "positions": np.zeros(shape, np.int32),
+             "segment_ids": np.zeros(shape, np.int32), "targets": np.zeros(shape, np.int32),
+             "loss_mask": np.zeros(shape, np.float32)}
+    for key in list(seq_values) + list(tok_vals):
+        batch[key] = np.zeros(shape, np.float32)
+    segments_in_row = np.zeros(num_rows, np.int32)
+    for i in np.lexsort((start, row)):  # row by row, left to right: segment ids 1, 2, ...
+        r, s, p, length = int(row[i]), int(start[i]), int(p_len[i]), int(p_len[i] + c_len[i])
+        seq = np.concatenate([p_ids[i], c_ids[i]])
+        segments_in_row[r] += 1
+        sl = slice(s, s + length)
+        batch["tokens"][r, sl] = seq
+        batch["positions"][r, sl] = np.arange(length, dtype=np.int32)
+        batch["segment_ids"][r, sl] = segments_in_row[r]
+        batch["targets"][r, s:s + length - 1] = seq[1:]
+        comp = slice(s + p - 1, s + length - 1)  # positions whose targets are completions
+        batch["loss_mask"][r, comp] = 1.0
+        for key, vals in seq_values.items():
+            batch[key][r, sl] = vals[i]
+        for key, vs in tok_vals.items():
+            batch[key][r, comp] = vs[i]
+
+    layout = {"row": row, "start": start, "prompt_len": p_len, "completion_len": c_len,
+              "num_truncated": num_truncated, "truncated_tokens": truncated_tokens,
+              "seq_keys": tuple(seq_values), "token_keys": tuple(tok_vals)}
+    return batch, layout
+
+
+def completion_values(x_BT: np.ndarray, layout: Mapping[str, Any]) -> list[np.ndarray]:
+    """Per-sequence values of `x_BT` at the positions whose targets are completion tokens
+    (e.g. log-probs computed on a packed batch), in the input order of `pack`."""
+    x_BT = np.asarray(x_BT)
+    out = []
+    for r, s, p, c in zip(layout["row"], layout["start"], layout["prompt_len"],
+                          layout["completion_len"]):
+        out.append(x_BT[r, s + p - 1:s + p - 1 + c])
+    return out
+
+
+def unpack(batch: Mapping[str, np.ndarray], layout: Mapping[str, Any]) -> dict[str, list]:
+    """Inverts `pack`: per sequence, its prompt ids, completion ids, seq values (a float) and
+    token values (one per completion token), each as a list in the input order of `pack`."""
+    out: dict[str, list] = {"prompts": [], "completions": []}
+    for r, s, p, c in zip(layout["row"], layout["start"], layout["prompt_len"],
+                          layout["completion_len"]):
+        out["prompts"].append(batch["tokens"][r, s:s + p])
+        out["completions"].append(batch["tokens"][r, s + p:s + p + c])
+    for key in layout["seq_keys"]:
+        out[key] = [float(batch[key][r, s]) for r, s in zip(layout["row"], layout["start"])]
+    for key in layout["token_keys"]:
+        out[key] = completion_values(batch[key], layout)
+    return out
+
+
+def sft_pack(prompts: Sequence[Any], responses: Sequence[Any], row_len: int, *,
+             rows_multiple: int = 1, min_rows: int = 0, truncate: bool = False,
+             decreasing: bool = True) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """`pack` for supervised fine-tuning: the loss covers the response tokens (which should
+    end with the EOS token so the model learns to stop)."""
+    return pack(prompts, responses, row_len, rows_multiple=rows_multiple, min_rows=min_rows,
+                truncate=truncate, decreasing=decreasing)
