@@ -52,8 +52,9 @@ def _braced(text: str, start: int) -> int | None:
     return None
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last top-level \\boxed{...} or \\fbox{...}; None if absent or unclosed."""
+def last_boxed_span(text: str) -> tuple[int, int] | None:
+    """(start, end) of the content of the last top-level \\boxed{...} / \\fbox{...} / `\\boxed x`;
+    None if there is none or the last one never closes."""
     found, pos = None, 0
     while (m := _BOX_RE.search(text, pos)) is not None:
         i = m.end()
@@ -63,13 +64,19 @@ def last_boxed(text: str) -> str | None:
             end = _braced(text, i)
             if end is None:  # unclosed: a truncated answer is no answer
                 return None
-            found, pos = text[i + 1:end - 1], end
+            found, pos = (i + 1, end - 1), end
         elif i > m.end():  # `\boxed 5`: the token up to whitespace or a math delimiter
             token = re.match(r"[^\s$]*", text[i:]).group(0).rstrip(".,;")
-            found, pos = (token or None), i + len(token) + 1
+            found, pos = ((i, i + len(token)) if token else None), i + len(token) + 1
         else:
             pos = m.end()
     return found
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last top-level \\boxed{...} or \\fbox{...}; None if absent or unclosed."""
+    span = last_boxed_span(text)
+    return None if span is None else text[span[0]:span[1]]
 
 
 def _to_latex(answer: str) -> str:
