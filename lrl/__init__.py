@@ -1,0 +1,1 @@
+"""lrl: reinforcement learning for language models on very long sequences, in JAX."""

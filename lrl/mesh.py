@@ -1,0 +1,141 @@
+"""The device mesh, parameter sharding rules and activation shardings.
+
+Every array in lrl is laid out over one `jax.sharding.Mesh` with the axes below. Parameters
+are sharded by rules keyed on their logical axes (see `lrl.models.params.logical_axes`), and
+a rule applies only where the mesh axis divides the dimension: shardings come from shapes.
+
+Dimension letters: B batch · T positions · D model width · F MLP width · V vocabulary ·
+N query heads · K kv heads · H head dim · L layers.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "seq", "tensor")
+# Axes over which the rows of a batch are split: plain data parallelism and FSDP both hold
+# different rows; FSDP additionally shards the parameters.
+BATCH_AXES = ("data", "fsdp")
+
+# Logical parameter axis -> mesh axes it may be sharded over, in order of preference.
+PARAM_RULES: Mapping[str, tuple[str, ...]] = {
+    "layers": (),
+    "embed": ("fsdp",),
+    "vocab": ("tensor",),
+    "mlp": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "norm": (),
+}
+
+
+def mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
+    """Resolves the per-axis sizes; one axis may be -1, meaning "all remaining devices"."""
+    unknown = set(sizes) - set(AXES)
+    if unknown:
+        raise ValueError(f"mesh: unknown axis {sorted(unknown)}; the axes are {AXES}")
+    shape = [int(sizes.get(a, 1)) for a in AXES]
+    free = [i for i, s in enumerate(shape) if s == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh: only one axis may be -1, got {dict(zip(AXES, shape))}")
+    if any(s == 0 or s < -1 for s in shape):
+        raise ValueError(f"mesh: axis sizes must be positive or -1, got {dict(zip(AXES, shape))}")
+    known = math.prod(s for s in shape if s != -1)
+    if free:
+        if num_devices % known:
+            raise ValueError(f"mesh: {num_devices} devices do not divide by {known} "
+                             f"({dict(zip(AXES, shape))})")
+        shape[free[0]] = num_devices // known
+    if math.prod(shape) != num_devices:
+        raise ValueError(f"mesh: {dict(zip(AXES, shape))} needs {math.prod(shape)} devices, "
+                         f"{num_devices} are present")
+    return tuple(shape)
+
+
+def make_mesh(sizes: Mapping[str, int] | None = None,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh with axes ("data", "fsdp", "seq", "tensor"); missing axes have size 1."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(dict(sizes or {"fsdp": -1}), len(devices))
+    # Auto axes: shardings are propagated by GSPMD; shard_map regions make them Manual.
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES),
+                         devices=devices)
+
+
+def maybe_initialize_distributed(cfg) -> None:
+    """Starts jax.distributed when the config asks for it (multi-host runs).
+
+    `cfg` has `enabled`, `coordinator_address`, `num_processes`, `process_id`; empty values
+    let JAX detect them (SLURM, Open MPI, cloud TPU).
+    """
+    if not cfg.enabled:
+        return
+    kwargs = {}
+    if cfg.coordinator_address:
+        kwargs["coordinator_address"] = cfg.coordinator_address
+    if cfg.num_processes > 0:
+        kwargs["num_processes"] = cfg.num_processes
+    if cfg.process_id >= 0:
+        kwargs["process_id"] = cfg.process_id
+    jax.distributed.initialize(**kwargs)
+    logging.info("jax.distributed: process %d of %d, %d local devices",
+                 jax.process_index(), jax.process_count(), jax.local_device_count())
+
+
+def spec_for(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+             rules: Mapping[str, tuple[str, ...]] = PARAM_RULES) -> P:
+    """PartitionSpec for one array from its logical axes; a mesh axis is used at most once
+    and only where it divides the dimension (else that dimension stays replicated)."""
+    used: set[str] = set()
+    out = []
+    for name, dim in zip(logical, shape):
+        chosen = []
+        for axis in rules.get(name, ()) if name else ():
+            size = mesh.shape[axis]
+            if axis in used or size == 1:
+                continue
+            if dim % (math.prod(mesh.shape[a] for a in chosen) * size) == 0:
+                chosen.append(axis)
+        used.update(chosen)
+        out.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+    return P(*out)
+
+
+def param_shardings(mesh: Mesh, shapes, axes) -> object:
+    """NamedShardings for a parameter tree, given its shapes and its logical-axes tree."""
+    return jax.tree.map(
+        lambda s, a: NamedSharding(mesh, spec_for(a, s.shape, mesh)), shapes, axes,
+        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, (str, type(None))) for e in x))
+
+
+def batch_spec(mesh: Mesh, rank: int, seq: bool = True) -> P:
+    """Rows over (data, fsdp), positions over seq (if asked), the rest replicated."""
+    rows = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1) or None
+    if rows is not None and len(rows) == 1:
+        rows = rows[0]
+    rest = [("seq" if seq and mesh.shape["seq"] > 1 else None)] if rank > 1 else []
+    return P(rows, *rest, *([None] * (rank - 1 - len(rest))))
+
+
+def batch_sharding(mesh: Mesh, rank: int = 2, seq: bool = True) -> NamedSharding:
+    return NamedSharding(mesh, batch_spec(mesh, rank, seq))
+
+
+def rows_divisible(mesh: Mesh, rows: int) -> None:
+    n = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    if rows % n:
+        raise ValueError(f"batch of {rows} rows does not divide over data×fsdp = {n} devices")
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def describe(mesh: Mesh) -> str:
+    return " ".join(f"{a}={mesh.shape[a]}" for a in AXES) + f" ({np.prod(list(mesh.shape.values()))} devices)"

@@ -1,0 +1,73 @@
+"""Attention as a pluggable function of (q, k, v, segment ids).
+
+`cfg.attention` picks the path: "dense" (the whole sequence on each device: the XLA
+reference, or cuDNN flash attention on GPU), "ring" (ring attention over the mesh's `seq`
+axis) and "ulysses" (all-to-all between sequence and heads). Masking is causal by token index
+within a segment: packed rows never attend across segments.
+
+B batch · T query positions · S key/value positions · N query heads · K kv heads · H head dim ·
+G query heads per kv head.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lrl.models.config import ModelConfig
+
+
+def xla_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, index_BT=None):
+    """The reference: materialises [B, K, G, T, S] scores, so only for short sequences."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    if index_BT is None:
+        index_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+    q = q_BTNH.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH,
+                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(H))
+    visible_BTS = ((segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+                   & (index_BT[:, None, :] <= index_BT[:, :, None]))
+    scores = jnp.where(visible_BTS[:, None, None], scores, -jnp.inf)
+    # A row with no visible key (impossible when causal self-attention is on) gives zeros.
+    any_visible = visible_BTS.any(-1)[:, None, None, :, None]
+    weights = jax.nn.softmax(jnp.where(any_visible, scores, 0.0), axis=-1)
+    weights = jnp.where(any_visible, weights, 0.0)
+    out = jnp.einsum("bkgts,bskh->btkgh", weights.astype(v_BSKH.dtype), v_BSKH,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(B, T, N, H).astype(q_BTNH.dtype)
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def dense_attention(cfg: ModelConfig, q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
+    impl = cfg.attention_impl or ("cudnn" if _on_gpu() else "xla")
+    if impl == "xla":
+        return xla_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+    if impl == "cudnn":
+        from lrl.models import flash
+        return flash.dense_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT,
+                                     implementation="cudnn")
+    raise ValueError(f"attention_impl={impl!r}; choose 'xla' or 'cudnn'")
+
+
+def attend(cfg: ModelConfig, mesh, q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
+    """Dispatches on cfg.attention. Ring inputs arrive in the ring's token layout (the decoder
+    permutes them); the others in natural order."""
+    seq_sharded = mesh is not None and mesh.shape["seq"] > 1
+    if cfg.attention == "dense" or not seq_sharded:
+        if cfg.attention == "ring" and mesh is not None:
+            from lrl.models import ring  # one-shard ring: same kernel, no hops
+            return ring.ring_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, mesh=mesh,
+                                       implementation=cfg.attention_impl)
+        return dense_attention(cfg, q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+    if cfg.attention == "ring":
+        from lrl.models import ring
+        return ring.ring_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, mesh=mesh,
+                                   implementation=cfg.attention_impl)
+    if cfg.attention == "ulysses":
+        from lrl.models import ulysses
+        return ulysses.ulysses_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, mesh=mesh,
+                                         implementation=cfg.attention_impl)
+    raise ValueError(f"attention={cfg.attention!r}")

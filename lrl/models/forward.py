@@ -1,0 +1,60 @@
+"""The model's public functions: hidden states, logits and the unembedding matrix.
+
+Inputs and outputs are in natural token order. With `cfg.attention == "ring"` on a mesh whose
+`seq` axis is larger than one, tokens, positions and segment ids are permuted into the ring's
+load-balanced (zig-zag) layout on the way in and the hidden states permuted back on the way
+out, so callers never see the layout.
+
+B batch · T positions · D model width · V vocabulary.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from lrl.models.config import ModelConfig
+from lrl.models.decoder import Decoder, default_positions, logits_from_hidden
+
+
+def _ring_layout(cfg: ModelConfig, mesh, T: int):
+    """(perm, inverse) when the ring runs sharded, else None."""
+    if cfg.attention != "ring" or mesh is None or mesh.shape["seq"] == 1:
+        return None
+    from lrl.models import ring
+    perm = ring.zigzag_permutation(T, mesh.shape["seq"])
+    return jnp.asarray(perm), jnp.asarray(ring.inverse_permutation(perm))
+
+
+def hidden_states(cfg: ModelConfig, params, tokens_BT, positions_BT=None,
+                  segment_ids_BT=None, mesh=None):
+    """Final-normalised hidden states [B, T, D] in the compute dtype."""
+    tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+    if positions_BT is None:
+        positions_BT = default_positions(tokens_BT, segment_ids_BT)
+    if segment_ids_BT is None:
+        segment_ids_BT = jnp.ones_like(tokens_BT)
+    layout = _ring_layout(cfg, mesh, tokens_BT.shape[1])
+    if layout is not None:
+        perm, _ = layout
+        tokens_BT, positions_BT, segment_ids_BT = (
+            jnp.take(a, perm, axis=1) for a in (tokens_BT, positions_BT, segment_ids_BT))
+    x = Decoder(cfg, mesh).apply({"params": params}, tokens_BT, positions_BT, segment_ids_BT,
+                                 method=Decoder.hidden)
+    if layout is not None:
+        x = jnp.take(x, layout[1], axis=1)
+    return x
+
+
+def unembedding(cfg: ModelConfig, params):
+    """The [D, V] output matrix (the embedding's transpose when tied)."""
+    return params["embed"]["embedding"].T if cfg.tie_embeddings else params["lm_head"]
+
+
+def forward(cfg: ModelConfig, params, tokens_BT, positions_BT: Optional[jax.Array] = None,
+            segment_ids_BT: Optional[jax.Array] = None, mesh=None):
+    """float32 logits [B, T, V]. Materialises all logits: for long rows use
+    `hidden_states` and the chunked log-probs of `lrl.rl`."""
+    x = hidden_states(cfg, params, tokens_BT, positions_BT, segment_ids_BT, mesh)
+    return logits_from_hidden(x, unembedding(cfg, params))
