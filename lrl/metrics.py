@@ -1,0 +1,123 @@
+"""Metrics a person can follow: a console progress line with step time and ETA,
+`metrics.jsonl`, TensorBoard events, a PNG of reward and response length over steps, and
+sample completions in `samples.jsonl`. Only process 0 writes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+
+def _scalar(v: Any):
+    try:
+        f = float(np.asarray(v))
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+class MetricsWriter:
+    def __init__(self, workdir: str, total_steps: int, *, tensorboard: bool = True,
+                 plot_keys=("reward/mean", "response/length_mean"), stream=sys.stdout):
+        self.workdir = workdir
+        self.total = total_steps
+        self.primary = jax.process_index() == 0
+        self.plot_keys = tuple(plot_keys)
+        self.stream = stream
+        self._t0 = self._last = time.time()
+        self._step0 = None
+        self._tb = None
+        self.history: list[dict] = []
+        if self.primary:
+            os.makedirs(workdir, exist_ok=True)
+            self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+            self._samples = open(os.path.join(workdir, "samples.jsonl"), "a")
+            if tensorboard:
+                from tensorboardX import SummaryWriter
+                self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+    def write(self, step: int, metrics: Mapping[str, Any], phase: str = "grpo") -> dict:
+        """Records one step; returns the scalars written."""
+        now = time.time()
+        if self._step0 is None:
+            self._step0, self._t0 = step - 1, self._last
+        scalars = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
+        scalars["time/step_s"] = now - self._last
+        self._last = now
+        row = {"step": step, "phase": phase, **scalars}
+        self.history.append(row)
+        if not self.primary:
+            return scalars
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(f"{phase}/{k}", v, step)
+            self._tb.flush()
+        done = step - self._step0
+        eta = (now - self._t0) / max(done, 1) * max(self.total - step, 0)
+        shown = " ".join(f"{k}={scalars[k]:.4g}" for k in
+                         ("loss", "reward/mean", "response/length_mean", "grad_norm", "lr")
+                         if k in scalars)
+        bar = _bar(step, self.total)
+        print(f"[{phase}] {bar} {step}/{self.total} {scalars['time/step_s']:.2f}s/step "
+              f"ETA {_hms(eta)} {shown}", file=self.stream, flush=True)
+        return scalars
+
+    def samples(self, step: int, records: list[dict]) -> None:
+        if self.primary:
+            for r in records:
+                self._samples.write(json.dumps({"step": step, **r}) + "\n")
+            self._samples.flush()
+
+    def plot(self, phase: str = "grpo") -> str | None:
+        """PNG of the plotted keys over steps; returns its path."""
+        if not self.primary:
+            return None
+        rows = [r for r in self.history if r["phase"] == phase]
+        keys = [k for k in self.plot_keys if any(k in r for r in rows)]
+        if not rows or not keys:
+            return None
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.6 * len(keys)), squeeze=False)
+        for ax, key in zip(axes[:, 0], keys):
+            pts = [(r["step"], r[key]) for r in rows if key in r]
+            ax.plot(*zip(*pts), marker=".")
+            evals = [(r["step"], r[f"eval/{key}"]) for r in rows if f"eval/{key}" in r]
+            if evals:
+                ax.plot(*zip(*evals), marker="o", linestyle="--", label="eval")
+                ax.legend()
+            ax.set_ylabel(key)
+            ax.grid(alpha=0.3)
+        axes[-1, 0].set_xlabel(f"{phase} step")
+        fig.tight_layout()
+        path = os.path.join(self.workdir, f"{phase}_curves.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def close(self):
+        if self.primary:
+            self._jsonl.close()
+            self._samples.close()
+            if self._tb is not None:
+                self._tb.close()
+
+
+def _bar(step: int, total: int, width: int = 20) -> str:
+    filled = int(width * min(step / max(total, 1), 1.0))
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
