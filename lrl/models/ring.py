@@ -1,0 +1,277 @@
+"""Ring attention over the mesh's `seq` axis, written with `jax.shard_map`.
+
+Each device holds one shard of the queries and, in turn, every shard of keys and values:
+K and V (stacked into one buffer, so one transfer per hop) move one step around the ring
+with `ppermute`, the transfer being issued before the local block is computed so that the two
+overlap. Blocks are merged with an online softmax (float32 output and log-sum-exp). The
+backward is a custom VJP: K and V go around the ring again together with their float32
+gradient accumulators, and every block reuses the forward's final log-sum-exp. Grouped-query
+attention never repeats K/V heads; segment ids of all shards are gathered once (4 bytes per
+token instead of 4·K·H per hop) and indexed by the block's source shard.
+
+Causal masking is by the global token index of the layout. "zigzag" splits a sequence into
+2n chunks and gives shard i chunks i and 2n-1-i, so every shard does the same work: the
+diagonal block is causal in local order; a block from an earlier shard j < i is seen only
+through its first chunk (by all local queries); a block from a later shard j > i is seen only
+by the second local chunk (all of it). "contiguous" (shard i holds chunk i) skips the blocks
+of later shards and leaves the early shards idle: kept for comparison.
+
+B batch · T query positions · S key/value positions · N query heads · K kv heads · H head dim.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from lrl.models import flash
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+# ----------------------------------------------------------------------------- layouts
+
+def zigzag_permutation(T: int, n: int) -> np.ndarray:
+    """int32 [T]: `x[:, perm]` puts a naturally ordered sequence in the zigzag layout for n
+    seq shards (2n chunks; shard i holds chunks i and 2n-1-i)."""
+    if n < 1 or T % (2 * n):
+        raise ValueError(f"zigzag layout: sequence length {T} must divide by 2 x {n} seq "
+                         f"shards = {2 * n}")
+    chunks = np.arange(T, dtype=np.int32).reshape(2 * n, T // (2 * n))
+    order = [c for i in range(n) for c in (i, 2 * n - 1 - i)]
+    return chunks[order].reshape(T)
+
+
+def inverse_permutation(perm) -> np.ndarray:
+    perm = np.asarray(perm)
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(perm.size, dtype=perm.dtype)
+    return inv
+
+
+def layout_permutation(T: int, n: int, layout: str) -> np.ndarray:
+    """The permutation of `layout` (identity for "contiguous", which needs T % n == 0)."""
+    if layout == "zigzag":
+        return zigzag_permutation(T, n)
+    if layout == "contiguous":
+        if T % n:
+            raise ValueError(f"contiguous layout: sequence length {T} must divide by {n} shards")
+        return np.arange(T, dtype=np.int32)
+    raise ValueError(f"layout={layout!r}; choose one of {LAYOUTS}")
+
+
+# ----------------------------------------------------------------------------- shard_map glue
+
+def shard_map(f, *, mesh, in_specs, out_specs):
+    """`jax.shard_map` without the replication check (its name differs across versions);
+    falls back to the experimental import path on older jax."""
+    sm = getattr(jax, "shard_map", None)
+    if sm is None:  # pragma: no cover - jax < 0.7
+        from jax.experimental.shard_map import shard_map as sm
+    params = inspect.signature(sm).parameters
+    extra = ({"check_vma": False} if "check_vma" in params
+             else {"check_rep": False} if "check_rep" in params else {})
+    return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **extra)
+
+
+def attention_specs(mesh, B: int, N: int, K: int, seq_axis: str):
+    """(spec of [B,T,N,H] and [B,S,K,H], spec of [B,T]): rows over data x fsdp, positions
+    over `seq_axis`, heads over tensor, each only where the mesh axis divides the dimension."""
+    if seq_axis not in mesh.axis_names:
+        raise ValueError(f"mesh has no axis {seq_axis!r}; its axes are {mesh.axis_names}")
+    rows = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names and mesh.shape[a] > 1)
+    if rows and B % math.prod(mesh.shape[a] for a in rows):
+        rows = ()  # rows replicated: correct, only redundant
+    row = None if not rows else rows[0] if len(rows) == 1 else rows
+    t = mesh.shape["tensor"] if "tensor" in mesh.axis_names else 1
+    heads = "tensor" if t > 1 and N % t == 0 and K % t == 0 else None
+    return P(row, seq_axis, heads, None), P(row, seq_axis)
+
+
+# ----------------------------------------------------------------------------- the ring
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    axis: str
+    n: int
+    layout: str
+    scale: float
+    implementation: str | None
+    q_chunk: int
+    kv_chunk: int
+
+    def block(self, q, kv, qseg, kseg, kind):
+        return flash.block_attention(
+            q, kv[0], kv[1], mask_kind=kind, q_segment_ids=qseg, kv_segment_ids=kseg,
+            scale=self.scale, implementation=self.implementation, out_dtype=jnp.float32,
+            q_chunk=self.q_chunk, kv_chunk=self.kv_chunk)
+
+    def block_bwd(self, q, kv, o, lse, do, qseg, kseg, kind):
+        return flash.block_attention_bwd(
+            q, kv[0], kv[1], o, lse, do, mask_kind=kind, q_segment_ids=qseg,
+            kv_segment_ids=kseg, scale=self.scale, implementation=self.implementation,
+            q_chunk=self.q_chunk, kv_chunk=self.kv_chunk)
+
+    def send(self, x):
+        return lax.ppermute(x, self.axis, [(j, (j + 1) % self.n) for j in range(self.n)])
+
+
+def _merge(o_acc, lse_acc, o_blk, lse_blk):
+    """Online-softmax merge of two partial attentions; rows unseen by both stay (0, -inf)."""
+    lse = jnp.logaddexp(lse_acc, lse_blk)
+    ref = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    w_acc = jnp.moveaxis(jnp.exp(lse_acc - ref), 1, 2)[..., None]   # [B, T, N, 1]
+    w_blk = jnp.moveaxis(jnp.exp(lse_blk - ref), 1, 2)[..., None]
+    return o_acc * w_acc + o_blk * w_blk, lse
+
+
+def _seg_of(seg_all, src):
+    return None if seg_all is None else lax.dynamic_index_in_dim(seg_all, src, 0, keepdims=False)
+
+
+def _fwd_off_diagonal(cfg, q, kv, seg, seg_all, acc, idx, src):
+    """Merges the block of shard `src` (!= idx) into acc = (o, lse)."""
+    kseg = _seg_of(seg_all, src)
+    if cfg.layout == "contiguous":
+        def earlier(acc):
+            return _merge(*acc, *cfg.block(q, kv, seg, kseg, "full"))
+        return lax.cond(src < idx, earlier, lambda acc: acc, acc)
+    c = q.shape[1] // 2
+
+    def earlier(acc):  # all local queries see the block's first chunk
+        ks = None if kseg is None else kseg[:, :c]
+        return _merge(*acc, *cfg.block(q, kv[:, :, :c], seg, ks, "full"))
+
+    def later(acc):    # the second local chunk sees all of the block
+        o, lse = acc
+        qs = None if seg is None else seg[:, c:]
+        o2, lse2 = _merge(o[:, c:], lse[:, :, c:], *cfg.block(q[:, c:], kv, qs, kseg, "full"))
+        return o.at[:, c:].set(o2), lse.at[:, :, c:].set(lse2)
+    return lax.cond(src < idx, earlier, later, acc)
+
+
+def _bwd_off_diagonal(cfg, q, kv, o, lse, do, seg, seg_all, dq, dkv, idx, src):
+    """Adds the block of shard `src` (!= idx) to dq and to the block's own dk, dv."""
+    kseg = _seg_of(seg_all, src)
+
+    def grads(qsl, ksl, acc_dq, acc_dkv):
+        qs = None if seg is None else seg[:, qsl]
+        ks = None if kseg is None else kseg[:, ksl]
+        dq_b, dk_b, dv_b = cfg.block_bwd(q[:, qsl], kv[:, :, ksl], o[:, qsl], lse[:, :, qsl],
+                                         do[:, qsl], qs, ks, "full")
+        return (acc_dq.at[:, qsl].add(dq_b),
+                acc_dkv.at[:, :, ksl].add(jnp.stack([dk_b, dv_b])))
+
+    every = slice(None)
+    if cfg.layout == "contiguous":
+        return lax.cond(src < idx, lambda a: grads(every, every, *a), lambda a: a, (dq, dkv))
+    c = q.shape[1] // 2
+    return lax.cond(src < idx, lambda a: grads(every, slice(0, c), *a),
+                    lambda a: grads(slice(c, None), every, *a), (dq, dkv))
+
+
+def _gather_segments(cfg, seg):
+    return None if seg is None else lax.all_gather(seg, cfg.axis)   # [n, B, S]
+
+
+def _ring_forward(cfg, q, k, v, seg):
+    idx = lax.axis_index(cfg.axis)
+    seg_all = _gather_segments(cfg, seg)
+    kv = jnp.stack([k, v])                                 # [2, B, S, K, H]: one buffer per hop
+    kv_next = cfg.send(kv) if cfg.n > 1 else None          # in flight during the diagonal
+    acc = cfg.block(q, kv, seg, seg, "causal")
+    if cfg.n == 1:
+        return acc
+
+    def hop(carry, s):
+        kv_cur, acc = carry
+        kv_nxt = cfg.send(kv_cur)
+        src = (idx - s) % cfg.n
+        return (kv_nxt, _fwd_off_diagonal(cfg, q, kv_cur, seg, seg_all, acc, idx, src)), None
+
+    (kv_last, acc), _ = lax.scan(hop, (kv_next, acc), jnp.arange(1, cfg.n - 1))
+    return _fwd_off_diagonal(cfg, q, kv_last, seg, seg_all, acc, idx, (idx - cfg.n + 1) % cfg.n)
+
+
+def _ring_backward(cfg, q, k, v, seg, o, lse, do):
+    idx = lax.axis_index(cfg.axis)
+    seg_all = _gather_segments(cfg, seg)
+    kv = jnp.stack([k, v])
+    kv_next = cfg.send(kv) if cfg.n > 1 else None
+    dq, dk, dv = cfg.block_bwd(q, kv, o, lse, do, seg, seg, "causal")
+    if cfg.n == 1:
+        return dq, dk, dv
+    dkv_next = cfg.send(jnp.stack([dk, dv]))               # travels with its block
+
+    def hop(carry, s):
+        kv_cur, dkv_cur, dq = carry
+        kv_nxt = cfg.send(kv_cur)
+        src = (idx - s) % cfg.n
+        dq, dkv_cur = _bwd_off_diagonal(cfg, q, kv_cur, o, lse, do, seg, seg_all, dq,
+                                        dkv_cur, idx, src)
+        return (kv_nxt, cfg.send(dkv_cur), dq), None
+
+    (kv_last, dkv_last, dq), _ = lax.scan(hop, (kv_next, dkv_next, dq), jnp.arange(1, cfg.n - 1))
+    dq, dkv_last = _bwd_off_diagonal(cfg, q, kv_last, o, lse, do, seg, seg_all, dq, dkv_last,
+                                     idx, (idx - cfg.n + 1) % cfg.n)
+    dkv = cfg.send(dkv_last)                               # one last hop brings it home
+    return dq, dkv[0], dkv[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_local(cfg, q, k, v, seg):
+    o, _ = _ring_forward(cfg, q, k, v, seg)
+    return o.astype(q.dtype)
+
+
+def _ring_local_fwd(cfg, q, k, v, seg):
+    o, lse = _ring_forward(cfg, q, k, v, seg)
+    o = o.astype(q.dtype)
+    return o, (q, k, v, seg, o, lse)
+
+
+def _ring_local_bwd(cfg, res, do):
+    q, k, v, seg, o, lse = res
+    dq, dk, dv = _ring_backward(cfg, q, k, v, seg, o, lse, do)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_ring_local.defvjp(_ring_local_fwd, _ring_local_bwd)
+
+
+def ring_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, mesh, seq_axis="seq",
+                   layout="zigzag", scale=None, implementation=None, q_chunk=512,
+                   kv_chunk=512):
+    """Causal (packed) attention with T sharded over `seq_axis` -> o_BTNH.
+
+    Inputs and output are global arrays whose token order is already the layout's
+    (`x[:, zigzag_permutation(T, n)]` for "zigzag"); segment_ids_BT may be None (one segment
+    per row). `implementation`: None (cuDNN blocks on GPU when possible, else XLA), "xla"
+    or "cudnn"; q_chunk / kv_chunk size the XLA kernel's tiles.
+    """
+    flash._check_qkv(q_BTNH, k_BSKH, v_BSKH)
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    if k_BSKH.shape[1] != T:
+        raise ValueError(f"ring_attention: q has T={T} positions, k has {k_BSKH.shape[1]}")
+    if segment_ids_BT is not None and segment_ids_BT.shape != (B, T):
+        raise ValueError(f"ring_attention: segment_ids {segment_ids_BT.shape} != {(B, T)}")
+    n = mesh.shape[seq_axis] if seq_axis in mesh.axis_names else 0
+    layout_permutation(T, max(n, 1), layout)  # validates layout and divisibility
+    qspec, segspec = attention_specs(mesh, B, N, K, seq_axis)
+    cfg = _Ring(seq_axis, n, layout, float(H ** -0.5 if scale is None else scale),
+                implementation, int(q_chunk), int(kv_chunk))
+    if segment_ids_BT is None:
+        fn = shard_map(lambda q, k, v: _ring_local(cfg, q, k, v, None), mesh=mesh,
+                       in_specs=(qspec, qspec, qspec), out_specs=qspec)
+        return fn(q_BTNH, k_BSKH, v_BSKH)
+    fn = shard_map(functools.partial(_ring_local, cfg), mesh=mesh,
+                   in_specs=(qspec, qspec, qspec, segspec), out_specs=qspec)
+    return fn(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT.astype(jnp.int32))
