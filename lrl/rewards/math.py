@@ -12,6 +12,7 @@ raised as `TimeoutError`, which RewardPool counts as a timeout, not as a wrong a
 """
 from __future__ import annotations
 
+import math as _pymath
 import re
 import threading
 
@@ -99,10 +100,13 @@ def _plain(s: str) -> str:
 def math_equal(pred: str, gold: str, timeout_s: int | None = 5) -> bool:
     """Whether two answer strings are mathematically equal according to math-verify.
 
-    `timeout_s` (whole seconds, SIGALRM) is applied only in the main thread.
+    `timeout_s` (rounded up to whole seconds: SIGALRM) is applied only in the main thread.
     """
     if threading.current_thread() is not threading.main_thread():
         timeout_s = None
+    elif timeout_s is not None:
+        # signal.alarm takes whole seconds; a float would make every comparison fail quietly.
+        timeout_s = max(1, _pymath.ceil(timeout_s))
     pred_s, gold_s = _to_latex(pred), _to_latex(gold)
     if not pred_s or not gold_s:
         return False
