@@ -133,4 +133,4 @@ def math_reward(completion: str, answer: str, *, timeout_s: int | None = 5, **me
     pred = last_boxed(completion)
     if pred is None:
         return 0.0
-    return float(math_equal(pred, answer, timeout_s=timeout_s))
+    return float(math_equal(pred, str(answer), timeout_s=timeout_s))  # json may hold numbers

@@ -77,12 +77,12 @@ def _normalise_items(items) -> list[tuple[str, str, dict]]:
         if len(item) not in (2, 3):
             raise ValueError(f"reward item {i} must be (completion, answer[, meta]), got {len(item)} fields")
         completion, answer = item[0], item[1]
-        meta = dict(item[2]) if len(item) == 3 and item[2] is not None else {}
+        meta = item[2] if len(item) == 3 and item[2] is not None else {}
         if not isinstance(completion, str):
             raise ValueError(f"reward item {i}: completion must be a str, got {type(completion).__name__}")
         if not isinstance(meta, Mapping):
             raise ValueError(f"reward item {i}: meta must be a mapping, got {type(meta).__name__}")
-        out.append((completion, answer, meta))
+        out.append((completion, answer, dict(meta)))
     return out
 
 

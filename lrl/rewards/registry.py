@@ -76,9 +76,9 @@ def parse_spec(spec) -> tuple[Term, ...]:
         for part in spec.split(","):
             name, _, weight = part.strip().partition(":")
             items.append((name.strip(), float(weight) if weight.strip() else 1.0))
-    elif isinstance(spec, Mapping):
+    elif isinstance(spec, Mapping) or hasattr(spec, "items"):  # ml_collections.ConfigDict too
         items = list(spec.items())
-    elif isinstance(spec, Sequence):
+    elif isinstance(spec, Sequence) and all(isinstance(s, (str, Sequence)) for s in spec):
         items = [(s, 1.0) if isinstance(s, str) else tuple(s) for s in spec]
     else:
         raise ValueError(f"reward spec must be a name, a mapping or a list of terms, got {spec!r}")
@@ -90,7 +90,7 @@ def parse_spec(spec) -> tuple[Term, ...]:
             raise ValueError(
                 f"reward term must be (name, weight) or (name, weight, kwargs), got {item!r}")
         name, weight = item[0], float(item[1])
-        kwargs = dict(item[2]) if len(item) == 3 and item[2] else {}
+        kwargs = dict(item[2].items()) if len(item) == 3 and item[2] else {}
         if not _pymath.isfinite(weight):
             raise ValueError(f"reward {name!r} has a non-finite weight {weight}")
         fn = get(name)
