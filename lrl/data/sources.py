@@ -209,9 +209,9 @@ class JsonlSource(_FileSource):
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def __del__(self):
+    def __del__(self, _close=os.close):  # bound early: `os` may be gone at interpreter exit
         for fd in getattr(self, "_fds", {}).values():
-            os.close(fd)
+            _close(fd)
 
 
 class ParquetSource(_FileSource):
