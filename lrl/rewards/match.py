@@ -32,7 +32,8 @@ def _extract(completion: str, extract: str) -> str | None:
     if extract == "last_line":
         lines = [l for l in completion.splitlines() if l.strip()]
         return lines[-1] if lines else None
-    raise ValueError(f"exact reward: extract must be 'full', 'boxed' or 'last_line', got {extract!r}")
+    raise ValueError(
+        f"exact reward: extract must be 'full', 'boxed' or 'last_line', got {extract!r}")
 
 
 @register("exact")

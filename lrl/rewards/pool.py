@@ -75,11 +75,13 @@ def _normalise_items(items) -> list[tuple[str, str, dict]]:
     out = []
     for i, item in enumerate(items):
         if len(item) not in (2, 3):
-            raise ValueError(f"reward item {i} must be (completion, answer[, meta]), got {len(item)} fields")
+            raise ValueError(
+                f"reward item {i} must be (completion, answer[, meta]), got {len(item)} fields")
         completion, answer = item[0], item[1]
         meta = item[2] if len(item) == 3 and item[2] is not None else {}
         if not isinstance(completion, str):
-            raise ValueError(f"reward item {i}: completion must be a str, got {type(completion).__name__}")
+            raise ValueError(
+                f"reward item {i}: completion must be a str, got {type(completion).__name__}")
         if not isinstance(meta, Mapping):
             raise ValueError(f"reward item {i}: meta must be a mapping, got {type(meta).__name__}")
         out.append((completion, answer, dict(meta)))
@@ -206,7 +208,7 @@ class RewardPool:
             stats[key] = float(values[ok, j].mean()) if ok.any() else 0.0
         if self._first_failure is not None:
             log.warning("rewards: %d timeouts and %d errors in %d items, scored 0; first: %s",
-                            stats["n_timeout"], stats["n_error"], len(items), self._first_failure)
+                        stats["n_timeout"], stats["n_error"], len(items), self._first_failure)
         return rewards, stats
 
     def _report(self, idx: int, status: str, message: str) -> None:
@@ -241,28 +243,22 @@ class RewardPool:
             self._workers.append(self._start_worker())
         pending = collections.deque(range(len(items)))
         remaining = len(items)
+
+        def finish(idx: int, outcome: str, payload) -> None:
+            nonlocal remaining
+            remaining -= 1
+            status[idx] = outcome
+            if outcome == "ok":
+                values[idx] = payload
+            else:
+                self._report(idx, outcome, payload)
+
         while remaining:
             for w in self._workers:
                 if w.state == "idle" and pending:
-                    idx = pending.popleft()
-                    try:
-                        w.conn.send((idx, *items[idx]))
-                    except (OSError, EOFError):  # died while idle: not the item's fault
-                        pending.appendleft(idx)
-                        self._replace(w)
-                        continue
-                    except Exception as e:  # noqa: BLE001 - meta that does not pickle
-                        status[idx] = "error"
-                        self._report(idx, "error", f"cannot send to a worker: {type(e).__name__}: {e}")
-                        remaining -= 1
-                        continue
-                    w.state, w.since, w.idx = "busy", time.monotonic(), idx
-            now = time.monotonic()
+                    self._send(w, pending, items, finish)
             waiting = [w for w in self._workers if w.state in ("starting", "busy")]
-            deadlines = [w.since + (self.start_timeout_s if w.state == "starting" else self.timeout_s)
-                         for w in waiting if w.state == "starting" or self.timeout_s is not None]
-            wait_s = max(0.0, min(deadlines) - now) if deadlines else None
-            ready = mp.connection.wait([w.conn for w in waiting], timeout=wait_s)
+            ready = mp.connection.wait([w.conn for w in waiting], timeout=self._wait_s(waiting))
             for w in [w for w in waiting if w.conn in ready]:
                 try:
                     msg = w.conn.recv()
@@ -270,30 +266,45 @@ class RewardPool:
                     msg = None
                 if w.state == "starting":
                     self._on_started(w, msg)
-                    continue
-                idx = w.idx
-                if msg is None:  # the worker died mid-call (segfault, os._exit, OOM kill)
-                    status[idx] = "error"
-                    self._report(idx, "error", f"worker died, exit code {w.process.exitcode}")
+                elif msg is None:  # the worker died mid-call (segfault, os._exit, OOM kill)
+                    finish(w.idx, "error", f"worker died, exit code {w.process.exitcode}")
                     self._replace(w)
                 else:
-                    _, status[idx], payload = msg
-                    if status[idx] == "ok":
-                        values[idx] = payload
-                    else:
-                        self._report(idx, status[idx], payload)
+                    finish(w.idx, msg[1], msg[2])
                     w.state = "idle"
-                remaining -= 1
-            now = time.monotonic()
-            for w in list(self._workers):
-                if w.state == "busy" and self.timeout_s is not None and now - w.since > self.timeout_s:
-                    status[w.idx] = "timeout"
-                    self._report(w.idx, "timeout", f"call exceeded {self.timeout_s}s; worker replaced")
-                    self._replace(w)
-                    remaining -= 1
-                elif w.state == "starting" and now - w.since > self.start_timeout_s:
-                    self.close()
-                    raise RuntimeError(f"a reward worker did not start within {self.start_timeout_s}s")
+            self._expire(finish)
+
+    def _send(self, w: _Worker, pending: collections.deque, items, finish) -> None:
+        idx = pending.popleft()
+        try:
+            w.conn.send((idx, *items[idx]))
+        except (OSError, EOFError):  # it died while idle: not the item's fault, so retry it
+            pending.appendleft(idx)
+            self._replace(w)
+            return
+        except Exception as e:  # noqa: BLE001 - meta that does not pickle
+            finish(idx, "error", f"cannot send it to a worker: {type(e).__name__}: {e}")
+            return
+        w.state, w.since, w.idx = "busy", time.monotonic(), idx
+
+    def _wait_s(self, waiting: list[_Worker]) -> float | None:
+        """Seconds until the nearest call or start-up deadline; None if there is none."""
+        deadlines = [w.since + self.start_timeout_s for w in waiting if w.state == "starting"]
+        if self.timeout_s is not None:
+            deadlines += [w.since + self.timeout_s for w in waiting if w.state == "busy"]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _expire(self, finish) -> None:
+        """Times out overrunning calls (their workers are replaced) and stuck start-ups."""
+        now = time.monotonic()
+        for w in list(self._workers):
+            if w.state == "busy" and self.timeout_s is not None and now - w.since > self.timeout_s:
+                finish(w.idx, "timeout", f"call exceeded {self.timeout_s}s; worker replaced")
+                self._replace(w)
+            elif w.state == "starting" and now - w.since > self.start_timeout_s:
+                self.close()
+                raise RuntimeError(
+                    f"a reward worker did not start within {self.start_timeout_s}s")
 
     def _on_started(self, w: _Worker, msg) -> None:
         if msg is not None and msg[0] == "ready":
@@ -301,4 +312,5 @@ class RewardPool:
             return
         detail = msg[1] if msg is not None else f"it exited with code {w.process.exitcode}"
         self.close()
-        raise RuntimeError(f"reward worker failed to start ({[t.name for t in self.terms]}): {detail}")
+        names = [t.name for t in self.terms]
+        raise RuntimeError(f"reward worker failed to start ({names}): {detail}")

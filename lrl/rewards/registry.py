@@ -42,7 +42,8 @@ def register(name: str) -> Callable[[RewardFn], RewardFn]:
     def deco(fn: RewardFn) -> RewardFn:
         old = _REGISTRY.get(name)
         # A re-import of the same module (spawned workers, pytest) registers an equal function.
-        if old is not None and (old.__module__, old.__qualname__) != (fn.__module__, fn.__qualname__):
+        if old is not None and (old.__module__, old.__qualname__) != (
+                fn.__module__, fn.__qualname__):
             raise ValueError(
                 f"reward {name!r} is already registered by {old.__module__}.{old.__qualname__}")
         _REGISTRY[name] = fn
@@ -116,7 +117,8 @@ def score_terms(terms: Sequence[Term], completion: str, answer: str, meta: Mappi
     """Unweighted score of each term; raises if a term raises or returns a non-finite value."""
     out = []
     for term in terms:
-        value = float(get(term.name, term.module)(completion, answer, **{**dict(term.kwargs), **meta}))
+        fn = get(term.name, term.module)
+        value = float(fn(completion, answer, **{**dict(term.kwargs), **meta}))
         if not _pymath.isfinite(value):
             raise ValueError(f"reward {term.name!r} returned a non-finite value {value}")
         out.append(value)
