@@ -1,0 +1,428 @@
+"""The rollout engine: prefill, insert, generate and free over a paged KV cache, with the shape
+of JetStream's Engine API, on the training model's own parameter arrays.
+
+Device state is one pytree (`DecodeState`); every device step is a module-level pure function
+jitted once per shape bucket. Host state (which pages and slots are in use) lives in the
+`Engine` object beside it, in plain Python and numpy.
+
+How a prompt of T tokens becomes G samples:
+- `prefill` writes the KV of its first T - 1 tokens into fresh pages (in chunks of at most
+  `prefill_chunk` tokens; later chunks attend to the pages already written). The last prompt
+  token is left for the first decode step, so every sampled token, the first included, comes
+  out of the same decode step with its log-prob.
+- `insert` gives each of the G slots the prompt's full pages (shared, reference counted), its
+  own copy of the partly filled last page, and fresh pages for everything it may generate
+  (pages are reserved at insert, so a slot never runs out mid-sample).
+- `generate` runs decode steps for all live slots at once; a slot stops by itself on an end
+  token or its length limit. `free` returns its pages.
+
+Weights are whatever arrays the caller passes (sharded for training or not): the engine never
+copies them. With a mesh, the pool is split over kv heads on the `tensor` axis and XLA
+partitions the step; a decode-specific weight layout would be a reshard on the same mesh.
+
+B batch rows · T query positions · C chunk · S slots · D model width · V vocabulary ·
+N query heads · K kv heads · H head dim · L layers · M pages per slot.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lrl.models.config import ModelConfig
+from lrl.models.decoder import Block, logits_from_hidden
+from lrl.models.forward import unembedding
+from lrl.models.layers import RMSNorm
+from lrl.rollout import paged_attention as pa
+from lrl.rollout.pages import NULL_PAGE, PagePool, pages_for
+from lrl.rollout.sampling import SamplingParams, sample, sample_keys
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16
+    num_pages: int = 1024            # pool size per layer, null page included
+    max_slots: int = 8               # S: rows of every decode step
+    max_pages_per_slot: int = 64     # M before rounding up to the kernels' block multiple
+    prefill_chunk: int = 4096        # longest prefill call (power of two); longer prompts chunk
+    min_prefill_bucket: int = 16     # shortest prefill call (power of two)
+    eos_ids: tuple[int, ...] = ()    # tokens that end a sample (kept in its output)
+    sampling: SamplingParams = SamplingParams()
+    attention_impl: Optional[str] = None  # None: Pallas on one GPU, else XLA
+    decode_block_pages: int = 8      # pages per compute block of decode attention
+    prefill_block_pages: int = 64    # pages per block when a prefill chunk reads the pages
+    pallas_k_splits: int = 4         # splits of the kv axis in the Pallas kernel
+
+    def __post_init__(self):
+        for name in ("prefill_chunk", "min_prefill_bucket"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+        if self.min_prefill_bucket > self.prefill_chunk:
+            raise ValueError(f"min_prefill_bucket {self.min_prefill_bucket} > prefill_chunk "
+                             f"{self.prefill_chunk}")
+        if self.page_size < 1 or self.max_slots < 1 or self.max_pages_per_slot < 1:
+            raise ValueError(f"page_size, max_slots and max_pages_per_slot must be positive: "
+                             f"{self.page_size}, {self.max_slots}, {self.max_pages_per_slot}")
+        if self.attention_impl not in (None, *pa.IMPLS, "pallas_interpret"):
+            raise ValueError(f"attention_impl={self.attention_impl!r}; choose None or {pa.IMPLS}")
+
+    @property
+    def pages_per_slot(self) -> int:
+        """M, rounded up so that both attention paths tile it exactly."""
+        align = int(np.lcm(self.prefill_block_pages,
+                           self.decode_block_pages * self.pallas_k_splits))
+        return pages_for(self.max_pages_per_slot, align) * align
+
+
+class DecodeState(NamedTuple):
+    k_pages: jax.Array      # [K, L * num_pages, page_size, H]
+    v_pages: jax.Array
+    page_table: jax.Array   # [S, M] int32, unused entries at the null page
+    lengths: jax.Array      # [S] int32: tokens in the cache (= position of `tokens`)
+    tokens: jax.Array       # [S] int32: the next token to feed
+    active: jax.Array       # [S] bool
+    remaining: jax.Array    # [S] int32: tokens still to sample
+    sample_ids: jax.Array   # [S] int32: who the slot samples for (key derivation)
+    steps: jax.Array        # [S] int32: tokens sampled so far (key derivation)
+
+
+class StepOutput(NamedTuple):
+    tokens: jax.Array       # [n, S] int32
+    logps: jax.Array        # [n, S] float32
+    valid: jax.Array        # [n, S] bool: the slot was live and sampled this token
+
+
+# ----------------------------------------------------------------------------- device steps
+
+def _embed(cfg, params, tokens):
+    return jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(cfg.dtype)
+
+
+def _run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT, attend):
+    """The training Block's two halves around a paged write and a paged attention."""
+    P = k_pages.shape[1] // cfg.n_layers
+    block = Block(cfg)
+
+    def body(carry, xs):
+        x, kp, vp = carry
+        layer_p, layer = xs
+        q, k, v = block.apply({"params": layer_p}, x, pos_BT, method=Block.qkv)
+        base = layer * P
+        kp, vp = pa.write_kv(kp, vp, k, v, page_BT + base, offset_BT)
+        attn = attend(q, k, v, kp, vp, base)
+        x = block.apply({"params": layer_p}, x, attn, method=Block.finish)
+        return (x, kp, vp), None
+
+    xs = (params["layers"], jnp.arange(cfg.n_layers, dtype=jnp.int32))
+    (x, k_pages, v_pages), _ = jax.lax.scan(body, (x_BTD, k_pages, v_pages), xs)
+    return x, k_pages, v_pages
+
+
+def _page_of(table_BM, pos_BT, valid_BT, page_size):
+    M = table_BM.shape[1]
+    idx = jnp.clip(pos_BT // page_size, 0, M - 1)
+    page = jnp.take_along_axis(table_BM, idx, axis=1)
+    valid_BT = valid_BT & (pos_BT // page_size < M)
+    return jnp.where(valid_BT, page, NULL_PAGE), pos_BT % page_size
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ecfg", "first"),
+                   donate_argnames=("k_pages", "v_pages"))
+def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_valid_B, table_BM,
+                  first: bool):
+    """Writes the KV of tokens [start, start + n_valid) of each row into its pages. `first`:
+    every row starts at 0, so the chunk attends only to itself (flash attention on GPU)."""
+    C = tokens_BC.shape[1]
+    pos_BC = start_B[:, None] + jnp.arange(C, dtype=jnp.int32)
+    valid_BC = jnp.arange(C)[None, :] < n_valid_B[:, None]
+    page_BC, offset_BC = _page_of(table_BM, pos_BC, valid_BC, ecfg.page_size)
+    kv_len_B = start_B + n_valid_B
+
+    def attend(q, k, v, kp, vp, base):
+        if first:
+            return pa.chunk_self_attention(q, k, v)
+        return pa.paged_attention_xla(q, pos_BC, kp, vp, table_BM, kv_len_B, base,
+                                      ecfg.prefill_block_pages)
+
+    _, k_pages, v_pages = _run_layers(cfg, params, _embed(cfg, params, tokens_BC), pos_BC,
+                                      k_pages, v_pages, page_BC, offset_BC, attend)
+    return k_pages, v_pages
+
+
+def _decode_step(cfg, ecfg, params, state: DecodeState, rng):
+    live = state.active
+    pos_B1 = state.lengths[:, None]
+    page_B1, offset_B1 = _page_of(state.page_table, pos_B1, live[:, None], ecfg.page_size)
+    kv_len_B = jnp.where(live, state.lengths + 1, 0)
+
+    def attend(q, k, v, kp, vp, base):
+        return pa.decode_attention(q, kp, vp, state.page_table, kv_len_B, base,
+                                   impl=ecfg.attention_impl, pages_per_block=ecfg.decode_block_pages,
+                                   k_splits=ecfg.pallas_k_splits)
+
+    x, kp, vp = _run_layers(cfg, params, _embed(cfg, params, state.tokens[:, None]), pos_B1,
+                            state.k_pages, state.v_pages, page_B1, offset_B1, attend)
+    norm = RMSNorm(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+    x = norm.apply({"params": params["final_norm"]}, x)
+    logits_BV = logits_from_hidden(x, unembedding(cfg, params))[:, 0]
+    keys = sample_keys(rng, state.sample_ids, state.steps)
+    tok_B, logp_B = sample(logits_BV, keys, ecfg.sampling)
+    stop = (jnp.isin(tok_B, jnp.asarray(ecfg.eos_ids, jnp.int32)) if ecfg.eos_ids
+            else jnp.zeros_like(live))
+    remaining = state.remaining - live
+    state = state._replace(
+        k_pages=kp, v_pages=vp,
+        lengths=state.lengths + live, tokens=jnp.where(live, tok_B, state.tokens),
+        active=live & ~stop & (remaining > 0), remaining=remaining, steps=state.steps + live)
+    return state, (tok_B, logp_B, live)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ecfg", "num_steps"),
+                   donate_argnames=("state",))
+def decode_steps(cfg, ecfg, params, state: DecodeState, rng, num_steps: int):
+    """Up to `num_steps` decode steps; stops early once no slot is live."""
+    S = state.tokens.shape[0]
+    out = StepOutput(jnp.zeros((num_steps, S), jnp.int32), jnp.zeros((num_steps, S), jnp.float32),
+                     jnp.zeros((num_steps, S), bool))
+
+    def cond(c):
+        i, st, _ = c
+        return (i < num_steps) & jnp.any(st.active)
+
+    def body(c):
+        i, st, o = c
+        st, (tok, logp, live) = _decode_step(cfg, ecfg, params, st, rng)
+        o = StepOutput(o.tokens.at[i].set(tok), o.logps.at[i].set(logp), o.valid.at[i].set(live))
+        return i + 1, st, o
+
+    _, state, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out))
+    return state, out
+
+
+@functools.partial(jax.jit, static_argnames=("num_layers",), donate_argnames=("state",))
+def insert_slots(state: DecodeState, slot_B, row_BM, length_B, token_B, remaining_B, sample_B,
+                 copy_src_B, copy_dst_B, num_layers: int):
+    """Copies each new slot's partial prompt page (all layers) and sets its row. Padding rows
+    carry slot index S (dropped) and copy the null page onto itself."""
+    P = state.k_pages.shape[1] // num_layers
+    base_L1 = jnp.arange(num_layers, dtype=jnp.int32)[:, None] * P
+    src, dst = base_L1 + copy_src_B[None], base_L1 + copy_dst_B[None]
+    kp = state.k_pages.at[:, dst].set(state.k_pages[:, src])
+    vp = state.v_pages.at[:, dst].set(state.v_pages[:, src])
+    put = lambda a, v: a.at[slot_B].set(v, mode="drop")  # noqa: E731
+    return state._replace(
+        k_pages=kp, v_pages=vp, page_table=put(state.page_table, row_BM),
+        lengths=put(state.lengths, length_B), tokens=put(state.tokens, token_B),
+        active=put(state.active, jnp.ones_like(slot_B, bool)),
+        remaining=put(state.remaining, remaining_B), sample_ids=put(state.sample_ids, sample_B),
+        steps=put(state.steps, jnp.zeros_like(slot_B)))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def deactivate(state: DecodeState, slot_mask_S):
+    return state._replace(active=state.active & ~slot_mask_S,
+                          page_table=jnp.where(slot_mask_S[:, None], NULL_PAGE, state.page_table))
+
+
+# ----------------------------------------------------------------------------- host side
+
+@dataclasses.dataclass
+class Prefix:
+    """A prefilled prompt: its tokens and the pages holding the KV of all but its last token."""
+    tokens: np.ndarray
+    pages: list[int]          # full pages, then the partial one (if any)
+    partial: bool             # whether the last of `pages` is only partly filled
+
+    @property
+    def cached(self) -> int:
+        return len(self.tokens) - 1
+
+    @property
+    def full_pages(self) -> list[int]:
+        return self.pages[:-1] if self.partial else self.pages
+
+
+@dataclasses.dataclass
+class SlotPlan:
+    slot: int
+    prefix: Prefix
+    sample_id: int
+    max_new_tokens: int
+    pages: list[int]          # the slot's whole page row (shared full pages first)
+    copy_src: int             # the prompt's partial page, or the null page
+    copy_dst: int
+
+
+class Engine:
+    """Host bookkeeping (page pool, slot rows) around the pure device steps above."""
+
+    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, mesh=None):
+        self.cfg = cfg.replace(remat="none")
+        impl = ecfg.attention_impl or pa.default_impl(mesh)
+        self.ecfg = dataclasses.replace(ecfg, attention_impl=impl)
+        self.mesh = mesh
+        self.pool = PagePool(ecfg.num_pages)
+        self.slot_pages: list[Optional[list[int]]] = [None] * ecfg.max_slots
+
+    # ---- sizes
+    def prefix_pages(self, prompt_len: int) -> int:
+        return pages_for(prompt_len - 1, self.ecfg.page_size)
+
+    def sample_pages(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Pages a sample owns: all it writes (T + max_new - 1 tokens) minus the shared ones."""
+        ps = self.ecfg.page_size
+        return pages_for(prompt_len + max_new_tokens - 1, ps) - (prompt_len - 1) // ps
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int, what: str = "prompt") -> None:
+        ps, e = self.ecfg.page_size, self.ecfg
+        total = prompt_len + max_new_tokens - 1
+        if pages_for(total, ps) > e.pages_per_slot:
+            raise ValueError(f"{what} of {prompt_len} tokens + {max_new_tokens} new needs "
+                             f"{pages_for(total, ps)} pages per slot, the engine has "
+                             f"{e.pages_per_slot} (max_pages_per_slot)")
+        need = self.prefix_pages(prompt_len) + self.sample_pages(prompt_len, max_new_tokens)
+        if need > self.pool.capacity:
+            raise ValueError(f"{what} of {prompt_len} tokens + {max_new_tokens} new needs "
+                             f"{need} pages of {ps} tokens, the whole pool has "
+                             f"{self.pool.capacity}: raise pool_tokens / the memory fraction")
+
+    # ---- state
+    def init_decode_state(self) -> DecodeState:
+        c, e = self.cfg, self.ecfg
+        S, M = e.max_slots, e.pages_per_slot
+        pool_shape = (c.n_kv_heads, c.n_layers * e.num_pages, e.page_size, c.head_dim)
+        z = lambda shape, dt: jnp.zeros(shape, dt)  # noqa: E731
+        state = DecodeState(z(pool_shape, c.dtype), z(pool_shape, c.dtype), z((S, M), jnp.int32),
+                            z((S,), jnp.int32), z((S,), jnp.int32), z((S,), bool),
+                            z((S,), jnp.int32), z((S,), jnp.int32), z((S,), jnp.int32))
+        if self.mesh is None:
+            return state
+        tensor = self.mesh.shape["tensor"]
+        kv_spec = PartitionSpec("tensor" if c.n_kv_heads % tensor == 0 and tensor > 1 else None)
+        shard = lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec))  # noqa: E731
+        return state._replace(k_pages=shard(state.k_pages, kv_spec),
+                              v_pages=shard(state.v_pages, kv_spec),
+                              **{f: shard(getattr(state, f), PartitionSpec())
+                                 for f in DecodeState._fields[2:]})
+
+    # ---- prefill
+    def reserve_prefix(self, tokens) -> Prefix:
+        tokens = np.asarray(tokens, np.int32)
+        if tokens.ndim != 1 or tokens.size < 1:
+            raise ValueError(f"a prompt must be a non-empty 1-D token sequence, got shape "
+                             f"{tokens.shape}")
+        n = tokens.size - 1
+        return Prefix(tokens, self.pool.alloc(self.prefix_pages(tokens.size)),
+                      partial=n % self.ecfg.page_size != 0)
+
+    def _row(self, pages) -> np.ndarray:
+        row = np.full(self.ecfg.pages_per_slot, NULL_PAGE, np.int32)
+        row[:len(pages)] = pages
+        return row
+
+    def run_prefill(self, params, state: DecodeState, prefixes) -> DecodeState:
+        """Fills the pages of `prefixes`: short prompts batched by length bucket, long ones in
+        chunks that attend to their pages."""
+        e = self.ecfg
+        short, long = {}, []
+        for pre in prefixes:
+            if pre.cached == 0:
+                continue
+            if pre.cached <= e.prefill_chunk:
+                bucket = max(e.min_prefill_bucket, 1 << (pre.cached - 1).bit_length())
+                short.setdefault(bucket, []).append(pre)
+            else:
+                long.append(pre)
+        kp, vp = state.k_pages, state.v_pages
+        for bucket, group in sorted(short.items()):
+            rows = max(1, e.prefill_chunk // bucket)
+            for i in range(0, len(group), rows):
+                part = group[i:i + rows]
+                kp, vp = self._prefill_call(params, kp, vp, part, 0, bucket, first=True)
+        for pre in long:
+            for start in range(0, pre.cached, e.prefill_chunk):
+                kp, vp = self._prefill_call(params, kp, vp, [pre], start, e.prefill_chunk,
+                                            first=start == 0)
+        return state._replace(k_pages=kp, v_pages=vp)
+
+    def _prefill_call(self, params, kp, vp, prefixes, start, C, first):
+        B = 1 << (len(prefixes) - 1).bit_length()   # rows padded to a power of two
+        tokens = np.zeros((B, C), np.int32)
+        n_valid = np.zeros(B, np.int32)
+        table = np.full((B, self.ecfg.pages_per_slot), NULL_PAGE, np.int32)
+        for r, pre in enumerate(prefixes):
+            chunk = pre.tokens[start:min(start + C, pre.cached)]
+            tokens[r, :chunk.size] = chunk
+            n_valid[r] = chunk.size
+            table[r] = self._row(pre.pages)
+        return prefill_chunk(self.cfg, self.ecfg, params, kp, vp, tokens,
+                             np.full(B, start, np.int32), n_valid, table, first=first)
+
+    def prefill(self, params, decode_state: DecodeState, tokens):
+        """-> (prefix, decode_state). Unlike JetStream's prefill it takes the decode state:
+        the prompt's KV goes straight into pool pages, with no dense copy to insert later."""
+        prefix = self.reserve_prefix(tokens)
+        return prefix, self.run_prefill(params, decode_state, [prefix])
+
+    # ---- insert
+    def reserve_slot(self, prefix: Prefix, slot: int, sample_id: int,
+                     max_new_tokens: int) -> SlotPlan:
+        if self.slot_pages[slot] is not None:
+            raise ValueError(f"slot {slot} is in use; free it first")
+        T = len(prefix.tokens)
+        self.check_fits(T, max_new_tokens)
+        own = self.pool.alloc(self.sample_pages(T, max_new_tokens))
+        self.pool.share(prefix.full_pages)
+        pages = prefix.full_pages + own
+        self.slot_pages[slot] = pages
+        src = prefix.pages[-1] if prefix.partial else NULL_PAGE
+        dst = own[0] if prefix.partial else NULL_PAGE
+        return SlotPlan(slot, prefix, sample_id, max_new_tokens, pages, src, dst)
+
+    def run_insert(self, state: DecodeState, plans) -> DecodeState:
+        S = self.ecfg.max_slots
+        slot = np.full(S, S, np.int32)                  # index S: dropped
+        rows = np.zeros((S, self.ecfg.pages_per_slot), np.int32)
+        length, token, remaining, sample_id, src, dst = (np.zeros(S, np.int32) for _ in range(6))
+        for i, p in enumerate(plans):
+            slot[i], rows[i] = p.slot, self._row(p.pages)
+            length[i], token[i] = p.prefix.cached, p.prefix.tokens[-1]
+            remaining[i], sample_id[i] = p.max_new_tokens, p.sample_id
+            src[i], dst[i] = p.copy_src, p.copy_dst
+        return insert_slots(state, slot, rows, length, token, remaining, sample_id, src, dst,
+                            num_layers=self.cfg.n_layers)
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slots, *, sample_ids=None,
+               max_new_tokens: int) -> DecodeState:
+        """Places one prefill into one or many slots (they share its full pages)."""
+        sample_ids = list(range(len(slots))) if sample_ids is None else list(sample_ids)
+        plans = [self.reserve_slot(prefix, s, u, max_new_tokens)
+                 for s, u in zip(slots, sample_ids)]
+        return self.run_insert(decode_state, plans)
+
+    def release(self, prefix: Prefix) -> None:
+        """Drops the prefix's own hold on its pages (after its last insert has run)."""
+        self.pool.release(prefix.pages)
+        prefix.pages = []
+
+    # ---- generate / free
+    def generate(self, params, decode_state: DecodeState, rng, num_steps: int = 1):
+        """-> (decode_state, StepOutput [num_steps, S]) for every live slot."""
+        return decode_steps(self.cfg, self.ecfg, params, decode_state, rng, num_steps=num_steps)
+
+    def free(self, decode_state: DecodeState, slots) -> DecodeState:
+        """Stops the slots and returns their pages to the pool."""
+        mask = np.zeros(self.ecfg.max_slots, bool)
+        for s in slots:
+            if self.slot_pages[s] is None:
+                raise ValueError(f"slot {s} is not in use")
+            self.pool.release(self.slot_pages[s])
+            self.slot_pages[s] = None
+            mask[s] = True
+        return deactivate(decode_state, mask) if mask.any() else decode_state

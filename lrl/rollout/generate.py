@@ -1,0 +1,192 @@
+"""`generate`: sample completions for a list of prompts with continuous batching.
+
+    outs = lrl.rollout.generate(cfg, params, prompts, max_new_tokens=256, num_samples=8,
+                                temperature=1.0, eos_ids=cfg.eos_token_ids, seed=0)
+    tokens, logps = outs[prompt_index][sample_index]
+
+Prompts are admitted in order: a prompt is prefilled once, when its first sample gets a slot,
+and its samples then take free slots as they appear, all reading the prompt's pages. Between
+decode calls the host collects finished slots (end token or length limit), returns their
+pages and refills them from the waiting samples. Sample g of prompt p draws its tokens with
+keys derived from (seed, p * num_samples + g, step), whatever slot it lands in.
+
+P prompts · G samples per prompt · S slots.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+from lrl.models.config import ModelConfig
+from lrl.rollout.engine import Engine, EngineConfig
+from lrl.rollout.pages import num_pages_for_memory, num_pages_for_tokens, pages_for
+from lrl.rollout.sampling import SamplingParams
+
+
+def _check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
+    out = []
+    for i, p in enumerate(prompts):
+        a = np.asarray(p)
+        if a.ndim != 1 or a.size == 0 or not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"prompt {i} must be a non-empty 1-D sequence of token ids, got "
+                             f"shape {a.shape} dtype {a.dtype}")
+        if a.min() < 0 or a.max() >= vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): "
+                             f"min {a.min()}, max {a.max()}")
+        out.append(a.astype(np.int32))
+    return out
+
+
+def _pool_pages(cfg, prompts, G, max_new, page_size, slots, pool_tokens, pool_fraction, mesh):
+    if pool_tokens is not None:
+        return num_pages_for_tokens(pool_tokens, page_size)
+    if pool_fraction is not None:
+        tensor = mesh.shape["tensor"] if mesh is not None else 1
+        shards = tensor if cfg.n_kv_heads % tensor == 0 else 1
+        return num_pages_for_memory(cfg, page_size, pool_fraction, kv_shards=shards)
+    # Default: room for every prompt's pages and `slots` of the longest samples at once.
+    longest = max(len(p) for p in prompts)
+    prompt_pages = sum(pages_for(len(p) - 1, page_size) for p in prompts)
+    return prompt_pages + slots * (pages_for(max_new, page_size) + 1) + 1
+
+
+def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int,
+             num_samples: int = 1, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             eos_ids: Sequence[int] = (), seed: int = 0, page_size: int = 16,
+             max_slots: Optional[int] = None, pool_tokens: Optional[int] = None,
+             pool_fraction: Optional[float] = None, prefill_chunk: int = 4096,
+             steps_per_call: int = 16, attention_impl: Optional[str] = None,
+             decode_block_pages: int = 8, prefill_block_pages: Optional[int] = None,
+             mesh=None, stats: Optional[dict] = None):
+    """-> [P][G] list of (token ids int32, log-probs float32) per sample.
+
+    The pool holds `pool_tokens` tokens, or `pool_fraction` of free device memory, or by
+    default enough for all prompts plus `max_slots` samples. `stats`, when a dict, is filled
+    with timings and counts (prefill_s, decode_s, decode_steps, new_tokens, kv_token_steps,
+    peak_pages, prompt_pages, pages_unshared, ...) and blocks on the prefill to time it.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    prompts = _check_prompts(prompts, cfg.vocab_size)
+    P, G = len(prompts), num_samples
+    if P == 0:
+        return []
+    S = max_slots or min(P * G, 256)
+    longest = max(len(p) for p in prompts)
+    if prefill_block_pages is None:
+        prefill_block_pages = max(1, 1024 // page_size)
+    ecfg = EngineConfig(
+        page_size=page_size,
+        num_pages=_pool_pages(cfg, prompts, G, max_new_tokens, page_size, S, pool_tokens,
+                              pool_fraction, mesh),
+        max_slots=S, max_pages_per_slot=pages_for(longest + max_new_tokens - 1, page_size),
+        prefill_chunk=prefill_chunk, min_prefill_bucket=min(16, prefill_chunk),
+        eos_ids=tuple(int(e) for e in eos_ids),
+        sampling=SamplingParams(float(temperature), int(top_k), float(top_p)),
+        attention_impl=attention_impl, decode_block_pages=decode_block_pages,
+        prefill_block_pages=prefill_block_pages)
+    engine = Engine(cfg, ecfg, mesh)
+    for i, p in enumerate(prompts):
+        engine.check_fits(len(p), max_new_tokens, what=f"prompt {i}")
+
+    state = engine.init_decode_state()
+    rng = jax.random.key(seed)
+    results = [[None] * G for _ in range(P)]
+    queue = collections.deque(range(P))
+    next_sample = [0] * P
+    open_prefix = {}
+    free_slots = collections.deque(range(S))
+    owner: list[Optional[tuple[int, int]]] = [None] * S
+    out_tokens: dict[int, list] = {}
+    out_logps: dict[int, list] = {}
+    st = collections.Counter()
+    t_prefill = t_decode = 0.0
+
+    while queue or any(o is not None for o in owner):
+        # Admission: fill free slots from the waiting samples while pages allow.
+        new_prefixes, plans, finished_prefixes = [], [], []
+        while free_slots and queue:
+            p = queue[0]
+            T = len(prompts[p])
+            need = engine.sample_pages(T, max_new_tokens)
+            if p not in open_prefix:
+                need += engine.prefix_pages(T)
+            if engine.pool.num_free < need:
+                break
+            if p not in open_prefix:
+                open_prefix[p] = engine.reserve_prefix(prompts[p])
+                new_prefixes.append(open_prefix[p])
+                st["prompt_pages"] += len(open_prefix[p].pages)
+                st["prefill_tokens"] += T - 1
+            slot = free_slots.popleft()
+            g = next_sample[p]
+            plans.append(engine.reserve_slot(open_prefix[p], slot, p * G + g, max_new_tokens))
+            owner[slot], out_tokens[slot], out_logps[slot] = (p, g), [], []
+            next_sample[p] += 1
+            if next_sample[p] == G:
+                queue.popleft()
+                finished_prefixes.append(open_prefix.pop(p))
+        st["peak_pages"] = max(st["peak_pages"], engine.pool.num_used)
+        if new_prefixes:
+            t0 = time.perf_counter()
+            state = engine.run_prefill(params, state, new_prefixes)
+            if stats is not None:
+                jax.block_until_ready(state.k_pages)
+                t_prefill += time.perf_counter() - t0
+        if plans:
+            state = engine.run_insert(state, plans)
+        for pre in finished_prefixes:   # only now: its partial page has been copied
+            engine.release(pre)
+        if all(o is None for o in owner):
+            raise RuntimeError("no sample could be admitted although the pool is empty; "
+                               "this is a bug in the page accounting")
+
+        # Decode until a slot may have finished, then collect.
+        t0 = time.perf_counter()
+        state, out = engine.generate(params, state, rng, num_steps=steps_per_call)
+        tokens, logps, valid, active = jax.device_get((out.tokens, out.logps, out.valid,
+                                                       state.active))
+        t_decode += time.perf_counter() - t0
+        st["decode_calls"] += 1
+        st["decode_steps"] += int(valid.any(axis=1).sum())
+        done = []
+        for s in range(S):
+            if owner[s] is None:
+                continue
+            v = valid[:, s]
+            before = len(out_tokens[s])
+            out_tokens[s].extend(tokens[v, s].tolist())
+            out_logps[s].extend(logps[v, s].tolist())
+            n = len(out_tokens[s]) - before
+            T = len(prompts[owner[s][0]])
+            # kv tokens read by this slot's steps: T + before, ..., T + before + n - 1
+            st["kv_token_steps"] += n * (T + before) + n * (n - 1) // 2
+            if not active[s]:
+                p, g = owner[s]
+                results[p][g] = (np.asarray(out_tokens.pop(s), np.int32),
+                                 np.asarray(out_logps.pop(s), np.float32))
+                st["new_tokens"] += len(results[p][g][0])
+                owner[s] = None
+                done.append(s)
+        if done:
+            state = engine.free(state, done)
+            free_slots.extend(done)
+
+    if not engine.pool.all_free():
+        raise RuntimeError(f"{engine.pool.num_used} pages still in use after the batch")
+    if stats is not None:
+        ps = page_size
+        sample_own = sum(G * engine.sample_pages(len(p), max_new_tokens) for p in prompts)
+        stats.update(dict(st), prefill_s=t_prefill, decode_s=t_decode, num_pages=ecfg.num_pages,
+                     slots=S, attention_impl=engine.ecfg.attention_impl,
+                     pages_reserved_shared=st["prompt_pages"] + sample_own,
+                     pages_unshared=sum(G * pages_for(len(p) + max_new_tokens - 1, ps)
+                                        for p in prompts),
+                     prefill_tokens_unshared=G * st["prefill_tokens"])
+    return results

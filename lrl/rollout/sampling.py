@@ -1,0 +1,75 @@
+"""Token sampling for the rollout: greedy, temperature, top-k and top-p, with per-sample keys
+and the log-probability of every sampled token.
+
+The log-prob is taken under the distribution the token was drawn from: logits divided by the
+temperature, restricted to the top-k and then the top-p set and renormalised. Greedy decoding
+(temperature 0) reports the log-prob under the model's plain softmax. Keys depend only on the
+run's seed, the sample's id and the step, so a sample does not change with the slot it runs in
+or with what else is in the batch.
+
+B batch rows (decode slots) · V vocabulary.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0   # 0 means greedy
+    top_k: int = 0             # 0 means no top-k cut
+    top_p: float = 1.0         # 1 means no nucleus cut
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sample_keys(rng, sample_ids_B, steps_B):
+    """One key per row: the run key folded with the sample's id, then with its step."""
+    return jax.vmap(lambda u, s: jax.random.fold_in(jax.random.fold_in(rng, u), s))(
+        sample_ids_B, steps_B)
+
+
+def filter_logits(logits_BV, sp: SamplingParams):
+    """Temperature-scaled logits with everything outside top-k / top-p set to -inf."""
+    x = logits_BV.astype(jnp.float32) / jnp.float32(sp.temperature)
+    V = x.shape[-1]
+    if 0 < sp.top_k < V:
+        kth_B1 = jax.lax.top_k(x, sp.top_k)[0][:, -1:]
+        x = jnp.where(x < kth_B1, -jnp.inf, x)
+    if sp.top_p < 1.0:
+        # Keep the smallest prefix of the sorted distribution whose mass reaches top_p: a
+        # token stays when the mass strictly above it is below top_p (the first always does).
+        sorted_BV = jnp.flip(jnp.sort(x, axis=-1), axis=-1)
+        probs = jax.nn.softmax(sorted_BV, axis=-1)
+        mass_above = jnp.cumsum(probs, axis=-1) - probs
+        n_keep_B1 = jnp.maximum(jnp.sum(mass_above < sp.top_p, axis=-1, keepdims=True), 1)
+        cutoff_B1 = jnp.take_along_axis(sorted_BV, n_keep_B1 - 1, axis=-1)
+        x = jnp.where(x < cutoff_B1, -jnp.inf, x)
+    return x
+
+
+def sample(logits_BV, keys_B, sp: SamplingParams):
+    """-> (tokens int32 [B], log-probs float32 [B]) of one draw per row."""
+    logits_BV = logits_BV.astype(jnp.float32)
+    if sp.greedy:
+        tokens_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+    else:
+        x = filter_logits(logits_BV, sp)
+        tokens_B = jax.vmap(jax.random.categorical)(keys_B, x).astype(jnp.int32)
+        logp_BV = jax.nn.log_softmax(x, axis=-1)
+    logp_B = jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
+    return tokens_B, logp_B
