@@ -1,5 +1,8 @@
 """RL objectives and the policy update: advantages, losses, chunked log-probs, update step."""
 from lrl.rl.advantages import ESTIMATORS, advantages
+from lrl.rl.logprobs import token_logprobs_and_entropy
 from lrl.rl.losses import (AGGREGATIONS, Denominators, LossConfig, combine_metrics,
                            loss_denominators, packed_policy_loss, policy_loss, token_weights)
-from lrl.rl.logprobs import token_logprobs_and_entropy
+from lrl.rl.optim import default_decay_mask, learning_rate, lr_schedule, make_optimizer
+from lrl.rl.update import (TrainState, init_train_state, logprobs, make_init_fn,
+                           make_logprobs_fn, make_update_fn, train_state_shardings, update_step)

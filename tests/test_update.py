@@ -1,0 +1,173 @@
+"""The policy-update step: micro-batch accumulation and sharding leave it unchanged, the
+forward-only log-probs match the model, and a tiny policy learns a two-armed bandit."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from lrl import mesh as mesh_lib
+from lrl import models
+from lrl.data.packing import pack
+from lrl.rl import LossConfig, advantages, optim
+from lrl.rl import update as upd
+
+CFG = models.tiny_config(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                         head_dim=8, mlp_dim=64)
+
+
+def _batch(seed=0, rows=4, row_len=16, with_old=True):
+    """Random prompts and completions packed into rows, with per-sequence advantages and
+    old / reference / rollout log-probs near the model's own."""
+    rng = np.random.default_rng(seed)
+    n = 7
+    prompts = [rng.integers(1, CFG.vocab_size, rng.integers(2, 5)) for _ in range(n)]
+    comps = [rng.integers(1, CFG.vocab_size, rng.integers(2, 6)) for _ in range(n)]
+    tok = {k: [rng.normal(-3.4, 0.2, len(c)) for c in comps]
+           for k in (("old_logp",) if with_old else ()) + ("ref_logp", "rollout_logp")}
+    batch, _ = pack(prompts, comps, row_len, seq_values={"advantages": rng.normal(size=n)},
+                    token_values=tok, min_rows=rows, rows_multiple=rows)
+    assert batch["tokens"].shape == (rows, row_len)
+    return {k: jnp.asarray(v) for k, v in batch.items()}
+
+
+_PARAMS = []
+
+
+def _params():
+    if not _PARAMS:  # one init for the whole file
+        _PARAMS.append(models.init_params(CFG, jax.random.key(0)))
+    return _PARAMS[0]
+
+
+def _state(params, tx):
+    return upd.init_train_state(jax.tree.map(jnp.array, params), tx)  # fresh copies: donated
+
+
+LOSS = LossConfig(clip_low=0.2, clip_high=0.28, aggregation="seq_mean_token_mean",
+                  kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0)
+
+
+def _assert_trees_close(a, b, rtol, atol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def test_micro_batches_equal_one_batch():
+    # tests/test_losses.py checks every aggregation and ratio level; this checks the scan.
+    loss_cfg = LOSS
+    # SGD with rate 1: the parameter change is minus the accumulated gradient itself.
+    tx = optax.sgd(1.0)
+    params, batch = _params(), _batch()
+    one, m1 = upd.make_update_fn(CFG, loss_cfg, tx, num_micro=1, chunk=4)(_state(params, tx),
+                                                                         batch)
+    four, m4 = upd.make_update_fn(CFG, loss_cfg, tx, num_micro=4, chunk=4)(_state(params, tx),
+                                                                          batch)
+    delta = jax.tree.map(lambda a, b: a - b, one.params, params)
+    assert max(float(jnp.abs(d).max()) for d in jax.tree.leaves(delta)) > 1e-4  # it moved
+    _assert_trees_close(one.params, four.params, rtol=1e-5, atol=1e-7)
+    for k in m1:
+        np.testing.assert_allclose(m1[k], m4[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    assert float(m1["tokens"]) == float(batch["loss_mask"].sum())
+    assert int(one.step) == 1 and float(m1["kl"]) > 0 and float(m1["entropy"]) > 0
+
+
+def test_sharded_step_equals_single_device():
+    tx = optax.sgd(1.0)
+    params, batch = _params(), _batch(1)
+    mesh = mesh_lib.make_mesh({"fsdp": 2, "seq": 4})
+    want, wm = upd.make_update_fn(CFG, LOSS, tx, num_micro=2, chunk=8)(_state(params, tx),
+                                                                      batch)
+    sh = upd.train_state_shardings(CFG, tx, mesh)
+    state = jax.device_put(_state(params, tx), sh)
+    fn = upd.make_update_fn(CFG, LOSS, tx, mesh, num_micro=2, chunk=8)
+    got, gm = fn(state, jax.device_put(batch, mesh_lib.batch_sharding(mesh, 2)))
+    q = got.params["layers"]["q_proj"]["kernel"]
+    assert q.sharding.spec == sh.params["layers"]["q_proj"]["kernel"].spec
+    assert "fsdp" in str(q.sharding.spec)
+    _assert_trees_close(got.params, want.params, rtol=1e-4, atol=1e-6)
+    for k in wm:
+        np.testing.assert_allclose(gm[k], wm[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_adamw_step_sharded_init_and_metrics():
+    tx = optim.make_optimizer(lr=1e-3, warmup_steps=2, total_steps=10, weight_decay=0.01)
+    mesh = mesh_lib.make_mesh({"fsdp": 4, "tensor": 2})
+    state = upd.make_init_fn(CFG, tx, mesh)(jax.random.key(0))
+    sh = upd.train_state_shardings(CFG, tx, mesh)
+    for a, s in zip(jax.tree.leaves(state), jax.tree.leaves(sh)):
+        assert a.sharding.is_equivalent_to(s, a.ndim)
+    fn = upd.make_update_fn(CFG, LOSS, tx, mesh, num_micro=2)
+    batch = jax.device_put(_batch(2), mesh_lib.batch_sharding(mesh, 2))
+    state, m = fn(state, batch)
+    state, m2 = fn(state, batch)
+    assert fn._cache_size() == 1  # compiled once
+    np.testing.assert_allclose([m["learning_rate"], m2["learning_rate"]], [5e-4, 1e-3], rtol=1e-6)
+    for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "update_norm", "clip_frac_low",
+              "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max", "tokens", "sequences"):
+        assert np.isfinite(float(m2[k])), k
+    assert float(m2["update_norm"]) > 0 and int(state.step) == 2
+
+
+def test_logprobs_match_the_model():
+    params, batch = _params(), _batch(3)
+    logits = models.forward(CFG, params, batch["tokens"], batch["positions"],
+                            batch["segment_ids"])
+    want = jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], -1)[..., 0]
+    got = upd.make_logprobs_fn(CFG, num_micro=2, chunk=4)(params, batch)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    mesh = mesh_lib.make_mesh({"fsdp": 2, "seq": 4})
+    fn = upd.make_logprobs_fn(CFG, mesh, num_micro=2, chunk=8)
+    got_s = fn(jax.device_put(params, models.param_shardings(CFG, mesh)),
+               jax.device_put(batch, mesh_lib.batch_sharding(mesh, 2)))
+    np.testing.assert_allclose(got_s, want, rtol=1e-5, atol=1e-5)
+
+
+def test_two_armed_bandit_moves_to_the_rewarded_arm():
+    # One context token (1); the policy answers with one token; only token 3 earns reward.
+    cfg = models.tiny_config(vocab_size=8, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                             head_dim=8, mlp_dim=32)
+    G, good = 16, 3
+    tx = optim.make_optimizer(lr=0.03, warmup_steps=0, total_steps=100)
+    state = upd.make_init_fn(cfg, tx)(jax.random.key(1))
+    step = upd.make_update_fn(cfg, LossConfig(), tx)
+
+    policy = jax.jit(lambda params: jax.nn.softmax(
+        models.forward(cfg, params, jnp.array([[1]]))[0, 0]))
+
+    def p_good(params):
+        return float(policy(params)[good])
+
+    start = p_good(state.params)
+    rng = jax.random.key(2)
+    const = lambda v: jnp.full((G, 2), v, jnp.int32)  # noqa: E731
+    for _ in range(25):
+        rng, k = jax.random.split(rng)
+        answers = jax.random.categorical(k, jnp.log(policy(state.params)), shape=(G,))
+        adv_G = advantages((answers == good)[None].astype(jnp.float32), "grpo")[0]
+        batch = {"tokens": jnp.stack([const(1)[:, 0], answers], 1),
+                 "positions": jnp.broadcast_to(jnp.arange(2), (G, 2)),
+                 "segment_ids": const(1),
+                 "targets": jnp.stack([answers, const(0)[:, 0]], 1),
+                 "loss_mask": jnp.broadcast_to(jnp.array([1.0, 0.0]), (G, 2)),
+                 "advantages": jnp.broadcast_to(adv_G[:, None], (G, 2))}
+        state, m = step(state, batch)
+        # No old_logp in the batch: on-policy, the ratio is exactly 1.
+        assert float(m["ratio_min"]) == 1.0 == float(m["ratio_max"])
+    end = p_good(state.params)
+    assert start < 0.3 and end > 0.8, (start, end)
+
+
+def test_bad_batches_name_the_culprit():
+    tx = optax.sgd(1.0)
+    batch = _batch()
+    with pytest.raises(ValueError, match=r"missing \['advantages'\]"):
+        upd.update_step(_state(_params(), tx), {k: v for k, v in batch.items()
+                                                 if k != "advantages"},
+                        model_cfg=CFG, loss_cfg=LOSS, tx=tx)
+    with pytest.raises(ValueError, match="unknown keys \\['reward'\\]"):
+        upd.update_step(_state(_params(), tx), {**batch, "reward": batch["advantages"]},
+                        model_cfg=CFG, loss_cfg=LOSS, tx=tx)
+    with pytest.raises(ValueError, match="num_micro=3"):
+        upd.update_step(_state(_params(), tx), batch, model_cfg=CFG, loss_cfg=LOSS, tx=tx,
+                        num_micro=3)
