@@ -1,0 +1,167 @@
+"""Builds an experiment's pieces from its config: mesh, tokenizer, model, data, rewards,
+optimizer and loss options. Each builder is a plain function of the (locked) config, so the
+loop reads as the data flow of a step and nothing here holds state of its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+
+from lrl import mesh as mesh_lib
+from lrl import models
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def dtype(name: str):
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def build_mesh(config):
+    mesh_lib.maybe_initialize_distributed(config.distributed)
+    mesh = mesh_lib.make_mesh(dict(config.mesh))
+    logging.info("mesh: %s", mesh_lib.describe(mesh))
+    return mesh
+
+
+def data_shards(mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def build_tokenizer(config, workdir: str):
+    """A local HF tokenizer, or one trained on the synthetic task (saved in the workdir so a
+    resumed run and the export use the same one)."""
+    from lrl.data import tokenizer as tok_lib
+    if config.tokenizer.path:
+        return tok_lib.load_tokenizer(config.tokenizer.path)
+    if config.data.source != "synthetic":
+        raise ValueError("tokenizer.path is empty: a trained-on-the-fly tokenizer exists only "
+                         "for data.source='synthetic'; point tokenizer.path at the model's "
+                         "tokenizer directory")
+    out = os.path.join(workdir, "tokenizer")
+    if os.path.isfile(os.path.join(out, "tokenizer.json")):
+        return tok_lib.load_tokenizer(out)
+    from lrl.data.synthetic import synthetic_corpus
+    corpus = synthetic_corpus(2000, seed=config.seed, tasks=(config.data.task,),
+                              task_kwargs={config.data.task: dict(config.data.task_kwargs)})
+    # Only process 0 writes; the others train the same deterministic tokenizer in memory.
+    return tok_lib.build_tokenizer(corpus, config.tokenizer.vocab_size,
+                                   out_dir=out if jax.process_index() == 0 else None)
+
+
+def model_config(config, tokenizer) -> models.ModelConfig:
+    m = config.model
+    run = dict(dtype=dtype(m.dtype), param_dtype=dtype(m.param_dtype), attention=m.attention,
+               attention_impl=m.attention_impl or None, remat=m.remat)
+    if m.hf_path:
+        return models.from_hf_dir(m.hf_path, **run)
+    eos = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    return models.ModelConfig(
+        model_type=m.model_type, vocab_size=len(tokenizer), d_model=m.d_model,
+        n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
+        mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, tie_embeddings=m.tie_embeddings,
+        qkv_bias=m.model_type == "qwen2", qk_norm=m.model_type == "qwen3",
+        bos_token_id=tokenizer.bos_token_id, eos_token_ids=eos, **run)
+
+
+def initial_params(config, cfg: models.ModelConfig, mesh):
+    if config.model.hf_path:
+        _, params = models.load_hf(config.model.hf_path, dtype=cfg.param_dtype, mesh=mesh,
+                                   **{f.name: getattr(cfg, f.name) for f in
+                                      dataclasses.fields(cfg) if f.name in
+                                      ("dtype", "attention", "attention_impl", "remat")})
+        return params
+    return models.init_params(cfg, jax.random.key(config.seed), mesh)
+
+
+def _file_fields(config, paths: str, **extra):
+    d = config.data
+    return dict(paths=[p for p in paths.split(",") if p], prompt_field=d.prompt_field,
+                answer_field=d.answer_field or None, messages_field=d.messages_field or None,
+                system_prompt=d.system_prompt or None, **extra)
+
+
+def prompt_source(config, split: str = "train"):
+    from lrl.data import sources
+    d = config.data
+    if d.source == "synthetic":
+        seed = config.seed if split == "train" else config.seed + 10_000
+        size = d.size if split == "train" else d.eval_size
+        return sources.SyntheticSource(d.task, size, seed=seed, **dict(d.task_kwargs))
+    if d.source not in ("jsonl", "parquet"):
+        raise ValueError(f"data.source={d.source!r}; choose synthetic, jsonl or parquet")
+    paths = d.paths if split == "train" else d.eval_paths
+    if not paths:
+        if split == "train":
+            raise ValueError(f"data.source={d.source!r} needs data.paths")
+        return None
+    return sources.file_source(**_file_fields(config, paths))
+
+
+def sft_source(config):
+    from lrl.data import sources
+    if config.sft.paths:
+        return sources.file_source(**_file_fields(config, config.sft.paths,
+                                                  response_field=config.sft.response_field))
+    if config.data.source != "synthetic":
+        raise ValueError("sft.paths is empty: an SFT phase needs prompt/response records "
+                         "(sft.paths) unless data.source='synthetic'")
+    return sources.SyntheticSource(config.data.task, config.data.size, seed=config.seed + 1,
+                                   sft=True, **dict(config.data.task_kwargs))
+
+
+def prompt_iterator(config, tokenizer, mesh, split: str = "train"):
+    from lrl.data.prompts import PromptIterator
+    source = prompt_source(config, split)
+    if source is None:
+        return None
+    n = config.rl.prompts_per_step if split == "train" else config.eval.num_prompts
+    shards = data_shards(mesh) // jax.process_count()
+    if n % (jax.process_count() * max(shards, 1)):
+        raise ValueError(f"{n} prompts per step do not divide over {jax.process_count()} "
+                         f"processes x {shards} data shards")
+    return PromptIterator(source, tokenizer, batch_size=n // jax.process_count(),
+                          max_prompt_len=config.data.max_prompt_len,
+                          seed=config.seed + (0 if split == "train" else 1),
+                          num_epochs=None if split == "train" else 1,
+                          process_index=jax.process_index(),
+                          process_count=jax.process_count(), num_data_shards=max(shards, 1))
+
+
+def sft_iterator(config, tokenizer, mesh):
+    from lrl.data.prompts import SFTIterator
+    rows = config.sft.rows // jax.process_count()
+    return SFTIterator(sft_source(config), tokenizer, rows=rows, row_len=config.sft.row_len,
+                       seed=config.seed + 2, process_index=jax.process_index(),
+                       process_count=jax.process_count(), truncate=True)
+
+
+def reward_pool(config):
+    from lrl.rewards import RewardPool
+    spec = config.reward.spec
+    return RewardPool(spec, num_workers=config.reward.num_workers,
+                      timeout_s=config.reward.timeout_s)
+
+
+def loss_config(config):
+    from lrl.rl.losses import LossConfig
+    L = config.rl.loss
+    return LossConfig(clip_low=L.clip_low, clip_high=L.clip_high,
+                      dual_clip=L.dual_clip or None, ratio_level=L.ratio_level,
+                      aggregation=L.aggregation, max_len=config.rl.max_new_tokens,
+                      kl_coef=L.kl_coef, kl_estimator=L.kl_estimator,
+                      entropy_coef=L.entropy_coef, tis_cap=L.tis_cap or None)
+
+
+def optimizer(o, total_steps: int, lr: float | None = None, warmup: int | None = None):
+    from lrl.rl.optim import make_optimizer
+    return make_optimizer(lr=o.lr if lr is None else lr,
+                          warmup_steps=o.warmup_steps if warmup is None else warmup,
+                          total_steps=max(total_steps, 1), b1=o.b1, b2=o.b2,
+                          weight_decay=o.weight_decay, clip_norm=o.clip_norm)

@@ -1,0 +1,332 @@
+"""The experiment loop: an optional SFT warm start, then GRPO steps, with evaluation,
+checkpoints (resumable, SIGTERM-safe) and metrics. `run(config, workdir)` is what
+`python -m lrl.main` calls.
+
+One GRPO step, as DESIGN.md draws it: prompts -> rollout (G samples each) -> rewards ->
+(dynamic sampling) -> advantages -> packing -> (old / reference log-probs) -> epochs x
+minibatches of `update_step` -> metrics. Jitted functions are built once, here.
+
+P prompts · G samples per prompt · B packed rows · T positions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import jax
+import numpy as np
+
+from lrl import checkpoint as ckpt_lib
+from lrl import experiment as ex
+from lrl import grpo
+from lrl import mesh as mesh_lib
+from lrl.metrics import MetricsWriter
+from lrl.rl import update as update_lib
+from lrl.rl.sft import make_sft_fn
+
+log = logging.getLogger(__name__)
+JOBS = ("grpo", "sft")
+
+
+@dataclasses.dataclass
+class Run:
+    """What every phase needs; built once from the config."""
+    config: object
+    workdir: str
+    mesh: object
+    tokenizer: object
+    model_cfg: object
+    ckpt: ckpt_lib.CheckpointManager
+    guard: ckpt_lib.PreemptionGuard
+    writer: MetricsWriter
+
+    @property
+    def eos_ids(self):
+        return self.model_cfg.eos_token_ids or (self.tokenizer.eos_token_id,)
+
+
+def run(config, workdir: str) -> dict:
+    """Runs the configured job; returns the last metrics of each phase."""
+    if config.job not in JOBS:
+        raise ValueError(f"job={config.job!r}; choose one of {JOBS}")
+    os.makedirs(workdir, exist_ok=True)
+    mesh = ex.build_mesh(config)
+    tokenizer = ex.build_tokenizer(config, workdir)
+    model_cfg = ex.model_config(config, tokenizer)
+    sft_steps = config.sft.steps
+    rl_steps = config.rl.steps if config.job == "grpo" else 0
+    if config.job == "sft" and sft_steps < 1:
+        raise ValueError("job='sft' needs sft.steps >= 1")
+    c = config.checkpoint
+    with ckpt_lib.PreemptionGuard() as guard, ckpt_lib.CheckpointManager(
+            os.path.join(workdir, "checkpoints"), keep=c.keep, every_steps=c.every_steps,
+            every_minutes=c.every_minutes) as ckpt:
+        ckpt.save_tokenizer(tokenizer)
+        writer = MetricsWriter(workdir, sft_steps + rl_steps,
+                               tensorboard=config.metrics.tensorboard)
+        r = Run(config, workdir, mesh, tokenizer, model_cfg, ckpt, guard, writer)
+        try:
+            return _run_phases(r, sft_steps, rl_steps)
+        finally:
+            writer.close()
+
+
+def _run_phases(r: Run, sft_steps: int, rl_steps: int) -> dict:
+    config = r.config
+    sft_tx = ex.optimizer(config.optim, sft_steps, lr=config.sft.lr,
+                          warmup=config.sft.warmup_steps)
+    rl_tx = ex.optimizer(config.optim, rl_steps)
+    # Both phases use the same optimizer structure (only the schedules differ), so one
+    # abstract state restores either phase's checkpoint.
+    restored = _restore(r, rl_tx)
+    phase = restored.data_state["phase"] if restored else ("sft" if sft_steps else "grpo")
+    state = restored.state if restored else None
+    data_state = restored.data_state if restored else {}
+    out = {}
+    if phase == "sft" and sft_steps:
+        if state is None:
+            params = ex.initial_params(config, r.model_cfg, r.mesh)
+            state = update_lib.TrainState(np.zeros((), np.int32), params, sft_tx.init(params))
+            state = jax.device_put(state, update_lib.train_state_shardings(
+                r.model_cfg, sft_tx, r.mesh))
+        state, out["sft"], stopped = sft_phase(r, state, sft_tx, sft_steps, data_state)
+        if stopped or not rl_steps:
+            return out
+        data_state = {}
+        state = _fresh_optimizer(r, state, rl_tx)
+    elif state is None:
+        params = ex.initial_params(config, r.model_cfg, r.mesh)
+        state = _fresh_optimizer(r, update_lib.TrainState(np.zeros((), np.int32), params, None),
+                                 rl_tx)
+    if rl_steps:
+        out["grpo"] = grpo_phase(r, state, rl_tx, sft_steps, rl_steps, data_state)
+    return out
+
+
+def _fresh_optimizer(r: Run, state, tx):
+    """The GRPO phase starts its own optimizer (and step count) on the warm-started params."""
+    fresh = update_lib.TrainState(np.zeros((), np.int32), state.params, tx.init(state.params))
+    return jax.device_put(fresh, update_lib.train_state_shardings(r.model_cfg, tx, r.mesh))
+
+
+def _restore(r: Run, tx):
+    shardings = update_lib.train_state_shardings(r.model_cfg, tx, r.mesh)
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            _abstract_state(r, tx), shardings)
+    got = r.ckpt.restore(abstract)
+    if got is not None:
+        log.info("resumed from %s (step %d, phase %s)", got.path, got.step,
+                 got.data_state.get("phase"))
+    return got
+
+
+def _abstract_state(r: Run, tx):
+    from lrl import models
+    shapes = models.abstract_params(r.model_cfg)
+    return update_lib.TrainState(jax.ShapeDtypeStruct((), np.int32), shapes,
+                                 jax.eval_shape(tx.init, shapes))
+
+
+def _put_batch(r: Run, arrays: dict):
+    """Host arrays -> global device arrays with rows over (data, fsdp), positions over seq.
+    Each process holds its own rows: with several processes the global batch is assembled
+    from the local pieces."""
+    sharding = mesh_lib.batch_sharding(r.mesh, 2)
+    if jax.process_count() == 1:
+        return {k: jax.device_put(np.asarray(v), sharding) for k, v in arrays.items()}
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+            for k, v in arrays.items()}
+
+
+def _checkpoint(r: Run, step: int, state, data_state: dict, force: bool = False):
+    if force or r.ckpt.should_save(step):
+        r.ckpt.save(step, state, data_state=data_state, config=r.config.to_dict(),
+                    model_config=r.model_cfg)
+
+
+# ----------------------------------------------------------------------------- SFT
+
+def sft_phase(r: Run, state, tx, steps: int, data_state: dict):
+    it = ex.sft_iterator(r.config, r.tokenizer, r.mesh)
+    if data_state.get("sft_iter"):
+        it.set_state(data_state["sft_iter"])
+    step_fn = make_sft_fn(r.model_cfg, tx, r.mesh)
+    step = int(jax.device_get(state.step))
+    metrics, stopped = {}, False
+    while step < steps:
+        batch = next(it)
+        arrays = {k: batch[k] for k in ("tokens", "positions", "segment_ids", "targets",
+                                        "loss_mask")}
+        state, m = step_fn(state, _put_batch(r, arrays))
+        step += 1
+        metrics = r.writer.write(step, jax.device_get(m), phase="sft")
+        stopped = r.guard.should_stop(step)
+        _checkpoint(r, step, state, {"phase": "sft", "sft_iter": it.get_state()},
+                    force=stopped or step == steps)
+        if stopped:
+            break
+    r.writer.plot("sft")
+    return state, metrics, stopped
+
+
+# ----------------------------------------------------------------------------- GRPO
+
+def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> dict:
+    config, rl_cfg = r.config, r.config.rl
+    it = ex.prompt_iterator(config, r.tokenizer, r.mesh)
+    if data_state.get("prompt_iter"):
+        it.set_state(data_state["prompt_iter"])
+    pool = ex.reward_pool(config)
+    loss_cfg = ex.loss_config(config)
+    shards = ex.data_shards(r.mesh)
+    # Sampler log-probs equal the trainer's only for plain temperature-1 sampling.
+    plain = rl_cfg.temperature == 1.0 and rl_cfg.top_k == 0 and rl_cfg.top_p == 1.0
+    use_sampler_logp = plain and not rl_cfg.recompute_old_logp
+    needs_old = rl_cfg.epochs * rl_cfg.minibatches > 1 or use_sampler_logp
+    update_fn = update_lib.make_update_fn(r.model_cfg, loss_cfg, tx, r.mesh,
+                                          num_micro=rl_cfg.micro_batches)
+    logp_fn = None
+    if (needs_old and not use_sampler_logp) or loss_cfg.kl_coef:
+        logp_fn = update_lib.make_logprobs_fn(r.model_cfg, r.mesh,
+                                              num_micro=rl_cfg.micro_batches)
+    ref_params = None
+    if loss_cfg.kl_coef:  # the frozen reference: the policy as this phase starts
+        ref_params = jax.tree.map(lambda x: x.copy(), state.params)
+    evaluator = Evaluator(r) if config.eval.every else None
+    step = int(jax.device_get(state.step))
+    metrics = {}
+    try:
+        while step < steps:
+            t0 = time.time()
+            rollout_stats = {}
+            groups, m = collect(r, state.params, it, pool, step, rollout_stats)
+            t_rollout = time.time() - t0
+            weight = grpo.overlong_shaping(groups, rl_cfg)
+            adv_PG = grpo.advantages(groups, rl_cfg.estimator)
+            rows_multiple = rl_cfg.minibatches * rl_cfg.micro_batches * shards
+            rows, layout = grpo.update_rows(groups, adv_PG, weight, row_len=rl_cfg.row_len,
+                                            rows_multiple=rows_multiple,
+                                            use_sampler_logp=use_sampler_logp)
+            batch = _put_batch(r, rows)
+            if needs_old and not use_sampler_logp:
+                batch["old_logp"] = logp_fn(state.params, batch)
+            if ref_params is not None:
+                batch["ref_logp"] = logp_fn(ref_params, batch)
+            t1 = time.time()
+            state, um = _updates(update_fn, state, batch, rl_cfg)
+            um = jax.device_get(um)
+            step += 1
+            m.update(um)
+            m.update({"time/rollout_s": t_rollout, "time/update_s": time.time() - t1,
+                      "advantage/abs_mean": float(np.abs(adv_PG).mean()),
+                      "pack/rows": rows["tokens"].shape[0],
+                      "pack/fill": float((rows["segment_ids"] > 0).mean()),
+                      "pack/truncated": layout["num_truncated"],
+                      **{f"rollout/{k}": v for k, v in rollout_stats.items()
+                         if np.isscalar(v)},
+                      **it.stats()})
+            if evaluator and (step % config.eval.every == 0 or step == steps):
+                m.update(evaluator(state.params, step, pool))
+            metrics = r.writer.write(offset + step, m)
+            r.writer.samples(offset + step, [
+                {"prompt": r.tokenizer.decode(groups.prompt_ids[i // groups.group_size]),
+                 "completion": groups.texts[i], "reward": float(groups.rewards_PG.flat[i]),
+                 "answer": str(groups.answers[i // groups.group_size])}
+                for i in range(min(config.metrics.samples_per_step, len(groups.texts)))])
+            stopped = r.guard.should_stop(offset + step)
+            _checkpoint(r, offset + step, state, {"phase": "grpo", "prompt_iter":
+                                                  it.get_state()},
+                        force=stopped or step == steps)
+            if stopped:
+                log.info("stopping at step %d on request (SIGTERM); checkpoint saved",
+                         offset + step)
+                break
+    finally:
+        pool.close()
+    r.writer.plot("grpo")
+    return metrics
+
+
+def collect(r: Run, params, it, pool, step: int, stats: dict):
+    """Rollout + rewards for one step, with DAPO dynamic sampling when configured."""
+    rl_cfg = r.config.rl
+    parts, m, draws = [], {}, 0
+    while True:
+        batch = next(it)
+        seed = r.config.seed * 1_000_003 + step * 101 + draws
+        groups = grpo.sample(r.model_cfg, params, batch, group_size=rl_cfg.group_size,
+                             rl_cfg=rl_cfg, rollout_cfg=r.config.rollout, eos_ids=r.eos_ids,
+                             seed=seed, mesh=r.mesh, stats=stats)
+        reward_stats = grpo.score(groups, pool, r.tokenizer)
+        if not parts:
+            m.update(grpo.rollout_metrics(groups, r.eos_ids))
+            m.update(reward_stats)
+        draws += 1
+        if not rl_cfg.dynamic_sampling:
+            return groups, m
+        keep = grpo.informative(groups.rewards_PG)
+        m["groups/informative_frac"] = m.get("groups/informative_frac", float(keep.mean()))
+        if keep.any():
+            parts.append(groups.take(keep))
+        have = sum(p.P for p in parts)
+        if have >= rl_cfg.prompts_per_step or draws > rl_cfg.max_resample:
+            break
+    if not parts:  # every group was uniform: learn nothing this step, but keep going
+        log.warning("dynamic sampling: all %d groups had equal rewards after %d draws",
+                    rl_cfg.prompts_per_step * draws, draws)
+        parts = [groups]
+    m["groups/draws"] = draws
+    merged = grpo.Groups.concat(parts)
+    keep_P = np.zeros(merged.P, bool)
+    keep_P[:min(merged.P, rl_cfg.prompts_per_step)] = True
+    m["groups/kept"] = int(keep_P.sum())
+    return merged.take(keep_P), m
+
+
+def _updates(update_fn, state, batch, rl_cfg):
+    """epochs x minibatches of update_step over the packed rows."""
+    B = batch["tokens"].shape[0]
+    per = B // rl_cfg.minibatches
+    metrics = None
+    for _ in range(rl_cfg.epochs):
+        for i in range(rl_cfg.minibatches):
+            mb = batch if rl_cfg.minibatches == 1 else jax.tree.map(
+                lambda x: x[i * per:(i + 1) * per], batch)
+            state, metrics = update_fn(state, mb)
+    return state, metrics
+
+
+class Evaluator:
+    """Held-out prompts every `eval.every` steps: mean reward, pass@1 and pass@k."""
+
+    def __init__(self, r: Run):
+        self.r = r
+        self.batches = None
+        it = ex.prompt_iterator(r.config, r.tokenizer, r.mesh, split="eval")
+        if it is not None:
+            self.batches = []
+            try:
+                while True:
+                    self.batches.append(next(it))
+            except StopIteration:
+                pass
+
+    def __call__(self, params, step: int, pool) -> dict:
+        if not self.batches:
+            return {}
+        r, e = self.r, self.r.config.eval
+        rewards = []
+        for i, batch in enumerate(self.batches):
+            groups = grpo.sample(r.model_cfg, params, batch, group_size=e.k,
+                                 rl_cfg=r.config.rl, rollout_cfg=r.config.rollout,
+                                 eos_ids=r.eos_ids, seed=10_007 * step + i, mesh=r.mesh,
+                                 temperature=e.temperature)
+            grpo.score(groups, pool, r.tokenizer)
+            rewards.append(groups.rewards_PG)
+        rewards_PG = np.concatenate(rewards)
+        correct = rewards_PG >= 1.0
+        return {"eval/reward/mean": float(rewards_PG.mean()),
+                "eval/pass@1": grpo.pass_at_k(correct, 1),
+                f"eval/pass@{e.k}": grpo.pass_at_k(correct, e.k)}
