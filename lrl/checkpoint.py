@@ -1,0 +1,556 @@
+"""Orbax checkpoints of the train state: asynchronous sharded saves, resume on any mesh.
+
+The state is any pytree of arrays (lrl's `TrainState`: step, params, optimizer state, RNG key);
+nothing here knows its class. Typed PRNG keys are stored as their raw `key_data` and wrapped
+again on restore. Restoring takes the abstract state (`jax.ShapeDtypeStruct` leaves carrying
+the *target* shardings), so a run saved on one mesh resumes on another: orbax reads each
+target shard from the stored arrays (resharding on restore).
+
+Checkpoint directory layout (one directory per run, e.g. `<workdir>/checkpoints`):
+
+    DIR/<step>/state/         orbax PyTree (OCDBT): the train state; the model parameters
+                              are its top-level `params` entry (`export` reads only those)
+    DIR/<step>/meta/          JSON {"format": 1, "step", "time", "prng_impls": {leaf path: impl}}
+    DIR/<step>/data/          JSON: the data-iterator state (optional)
+    DIR/<step>/config/        JSON: the experiment config (optional)
+    DIR/<step>/model_config/  JSON: lrl `ModelConfig` fields (optional; `export` needs it)
+    DIR/tokenizer/            HF tokenizer files, written once by `save_tokenizer` (optional)
+    DIR/quarantine/           steps found unreadable on resume, moved aside, never deleted
+    DIR/<step>.orbax-checkpoint-tmp-*   a save that never committed (reported, left alone)
+
+The loop's side:
+
+    with PreemptionGuard() as guard, CheckpointManager(dir, keep=3, every_steps=100,
+                                                       every_minutes=30) as ckpt:
+        got = ckpt.restore(abstract_state)       # None on a fresh run
+        ...
+        for step in ...:
+            state = update(state, batch)
+            stop = guard.should_stop(step)
+            if stop or ckpt.should_save(step):
+                ckpt.save(step, state, data_state=it.get_state(), config=config,
+                          model_config=model_cfg)
+            if stop:
+                break
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import signal
+import threading
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from lrl.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+ITEMS = ("state", "meta", "data", "config", "model_config")
+QUARANTINE = "quarantine"
+_TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+def _read_only():
+    return ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint, or a checkpoint that does not match what is asked of it."""
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    state: Any
+    data_state: Any             # as given to save (dict, or bytes), None if none was saved
+    config: Optional[dict]
+    model_config: Optional[ModelConfig]
+    path: str                   # the step directory that was read
+    skipped: list = dataclasses.field(default_factory=list)  # [(step, path, reason)] newer, bad
+
+
+# ----------------------------------------------------------------------------- JSON items
+
+def model_config_to_dict(cfg: ModelConfig) -> dict:
+    """ModelConfig -> JSON: dtypes by name, tuples as lists, nested dataclasses as dicts."""
+    def plain(v):
+        if isinstance(v, (type, np.dtype)):
+            return jnp.dtype(v).name
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        return [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
+    return plain(cfg)
+
+
+def model_config_from_dict(d: dict) -> ModelConfig:
+    """The inverse of `model_config_to_dict`, typed by each field's default."""
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise CheckpointError(f"model_config has fields {unknown} that this lrl's ModelConfig "
+                              "does not know (saved by a newer lrl?)")
+    out = {}
+    for k, v in d.items():
+        default = fields[k].default
+        if isinstance(default, (type, np.dtype)) and isinstance(v, str):
+            v = getattr(jnp, v)
+        elif dataclasses.is_dataclass(default) and isinstance(v, dict):
+            v = type(default)(**v)
+        elif isinstance(v, list):
+            v = tuple(v)
+        out[k] = v
+    return ModelConfig(**out)
+
+
+def _jsonable(x, where="config"):
+    """Experiment configs (ConfigDict or dict) -> plain JSON; non-JSON values become strings."""
+    if hasattr(x, "to_dict"):
+        x = x.to_dict()
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v, f"{where}.{k}") for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v, where) for v in x]
+    if isinstance(x, (np.generic, np.ndarray)):
+        return x.tolist()
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return str(x)
+
+
+def _encode_data(data_state):
+    # grain's DataLoader iterators give their state as JSON bytes, dataset iterators as dicts.
+    if isinstance(data_state, bytes):
+        return {"__lrl_bytes__": data_state.decode("utf-8")}
+    try:
+        json.dumps(data_state)
+    except TypeError as e:
+        raise TypeError(f"data_state must be JSON-serialisable (or bytes): {e}") from e
+    return data_state
+
+
+def _decode_data(d):
+    return d["__lrl_bytes__"].encode() if isinstance(d, dict) and "__lrl_bytes__" in d else d
+
+
+# ----------------------------------------------------------------------------- state trees
+
+def _path_str(path) -> str:
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _unwrap_keys(state):
+    """Typed PRNG keys -> raw key data, and {leaf path: impl name} to wrap them back."""
+    impls = {}
+
+    def one(path, x):
+        if _is_key(x):
+            impls[_path_str(path)] = str(jax.random.key_impl(x))
+            return jax.random.key_data(x)
+        return x
+    return jax.tree_util.tree_map_with_path(one, state), impls
+
+
+def _bits_u32(x):
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+
+
+def _leaf_checksum(x):
+    """Two uint32 sums of the raw bits, plain and position-weighted: modular integer sums do
+    not depend on the order of reduction, so any sharding of the same values agrees."""
+    bits = _bits_u32(x)
+    idx = jnp.zeros(bits.shape, jnp.uint32)
+    for d in range(bits.ndim):
+        idx = idx * jnp.uint32(bits.shape[d]) + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d)
+    weights = idx * jnp.uint32(2654435761) + jnp.uint32(1)
+    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weights, dtype=jnp.uint32)])
+
+
+_tree_checksums = jax.jit(lambda leaves: [_leaf_checksum(x) for x in leaves])
+
+
+def checksums(tree) -> dict[str, list[int]]:
+    """{leaf path: [sum, weighted sum]} of a tree of arrays (keys as raw key data)."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    sums = jax.device_get(_tree_checksums([jnp.asarray(x) for _, x in flat]))
+    return {_path_str(p): [int(v) for v in np.asarray(c)] for (p, _), c in zip(flat, sums)}
+
+
+def abstract_state(state, shardings=None):
+    """ShapeDtypeStructs with target shardings for `state` (arrays or ShapeDtypeStructs).
+
+    `shardings`: None (use each leaf's own `.sharding`), one `Sharding` for every leaf, or a
+    tree of shardings matching `state`.
+    """
+    if shardings is None:
+        shard_tree = jax.tree.map(lambda x: getattr(x, "sharding", None), state)
+    elif isinstance(shardings, jax.sharding.Sharding):
+        shard_tree = jax.tree.map(lambda _: shardings, state)
+    else:
+        shard_tree = shardings
+
+    def one(path, x, s):
+        if s is None:
+            raise ValueError(f"state leaf {_path_str(path)!r} has no target sharding; pass "
+                             "`shardings` or ShapeDtypeStructs with sharding=")
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+    return jax.tree_util.tree_map_with_path(one, state, shard_tree,
+                                            is_leaf=lambda x: x is None)
+
+
+def _saved_tree(step_dir: epath.Path):
+    """The stored state's tree of array metadata (custom classes come back as dicts)."""
+    saved = ocp.PyTreeCheckpointHandler().metadata(step_dir / "state")
+    return getattr(saved, "tree", saved)
+
+
+def _check_against_saved(abstract, step_dir: epath.Path):
+    """Caller errors (a state of another shape or structure) are not corruption: raise."""
+    saved = _saved_tree(step_dir)
+    have = {_path_str(p): m for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    want = {_path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    if missing or extra:
+        raise CheckpointError(f"state structure differs from the checkpoint in {step_dir}: "
+                              f"not in checkpoint {missing[:8]}, not in state {extra[:8]}")
+    for k, x in want.items():
+        shape = tuple(getattr(have[k], "shape", ()) or ())
+        if shape != tuple(x.shape):
+            raise CheckpointError(f"state leaf {k!r} has shape {tuple(x.shape)}, the checkpoint "
+                                  f"in {step_dir} has {shape}")
+
+
+def _restore_step(mgr, step: int, step_dir: epath.Path, abstract, partial=False):
+    """One step's items. `abstract` may hold typed-key leaves (restored via key data)."""
+    meta_only = ocp.args.Composite(meta=ocp.args.JsonRestore())
+    meta = mgr.restore(step, args=meta_only)["meta"]
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"meta of step {step} is {meta!r}, expected format {FORMAT}")
+    impls = {}
+
+    def raw(path, x):
+        if _is_key(x):
+            impls[_path_str(path)] = x.dtype
+            data = jax.eval_shape(jax.random.key_data, x)
+            return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=x.sharding)
+        return x
+    abstract = jax.tree_util.tree_map_with_path(raw, abstract)
+    if not partial:
+        _check_against_saved(abstract, step_dir)
+    items = {"state": ocp.args.PyTreeRestore(
+        item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+        partial_restore=partial)}
+    for name in ("data", "config", "model_config"):
+        if (step_dir / name).exists():
+            items[name] = ocp.args.JsonRestore()
+    got = mgr.restore(step, args=ocp.args.Composite(**items))
+    saved_sums = meta.get("checksums", {})
+    for key, sums in checksums(got["state"]).items():
+        if key not in saved_sums:
+            raise CheckpointError(f"step {step} stores no checksum for leaf {key!r}")
+        if saved_sums[key] != sums:
+            raise CheckpointError(f"leaf {key!r} of step {step} does not match its checksum "
+                                  "(garbled data)")
+
+    def wrap(path, x):
+        key = _path_str(path)
+        if key not in impls:
+            return x
+        impl = meta.get("prng_impls", {}).get(key)
+        if impl is None:
+            raise CheckpointError(f"state leaf {key!r} is a PRNG key but step {step} stored "
+                                  "plain data there")
+        return jax.random.wrap_key_data(x, impl=impl)
+    state = jax.tree_util.tree_map_with_path(wrap, got["state"])
+    mc = got.get("model_config") if "model_config" in items else None
+    return Restored(step=step, state=state,
+                    data_state=_decode_data(got["data"]) if "data" in items else None,
+                    config=got["config"] if "config" in items else None,
+                    model_config=model_config_from_dict(mc) if mc is not None else None,
+                    path=str(step_dir))
+
+
+def _uncommitted(root: epath.Path, after: int) -> list[epath.Path]:
+    out = []
+    for p in root.iterdir() if root.exists() else ():
+        head = p.name.split(_TMP_MARK)[0]
+        if _TMP_MARK in p.name and head.isdigit() and int(head) > after:
+            out.append(p)
+    return sorted(out, key=lambda p: p.name)
+
+
+def _restore_newest_good(mgr, root: epath.Path, abstract, step=None, partial=False):
+    """Newest step that restores; newer bad ones are warned about and listed in `skipped`."""
+    steps = sorted(mgr.all_steps(), reverse=True)
+    if step is not None:
+        steps = [s for s in steps if s == step] or _no_step(root, step, steps)
+    skipped = []
+    for s in steps:
+        step_dir = root / str(s)
+        try:
+            got = _restore_step(mgr, s, step_dir, abstract, partial)
+        except CheckpointError as e:
+            if "structure differs" in str(e) or "has shape" in str(e):
+                raise
+            reason = str(e)
+        except Exception as e:  # noqa: BLE001 -- any read failure marks the step bad
+            reason = f"{type(e).__name__}: {e}"
+        else:
+            for p in _uncommitted(root, s):
+                log.warning("checkpoint: %s is an uncommitted (partial) save, newer than the "
+                            "restored step %d; ignored and left in place", p, s)
+            got.skipped = skipped
+            return got
+        reason = reason if len(reason) < 300 else reason[:300] + "..."
+        log.warning("checkpoint: step %d at %s is unreadable (%s); trying the previous one",
+                    s, step_dir, reason)
+        skipped.append((s, str(step_dir), reason))
+    if not steps:
+        return None
+    raise CheckpointError(f"no readable checkpoint in {root}: " + "; ".join(
+        f"step {s} ({p}): {r}" for s, p, r in skipped))
+
+
+def restore_latest(directory, abstract, shardings=None, step=None) -> Optional[Restored]:
+    """Restores the newest good checkpoint in `directory` onto the target shardings; read-only.
+
+    `abstract`: the state's tree of arrays / ShapeDtypeStructs; `shardings` as in
+    `abstract_state`. Returns None when the directory holds no checkpoint at all.
+    """
+    root = epath.Path(directory)
+    if not root.exists():
+        return None
+    target = abstract_state(abstract, shardings)
+    with ocp.CheckpointManager(root, options=_read_only()) as m:
+        return _restore_newest_good(m, root, target, step)
+
+
+def restore_params(directory, step=None, device=None, params_key="params") -> Restored:
+    """The parameters only (`Restored.state`), each whole on one device (default: CPU 0).
+
+    For export: the optimizer state is not read, and shapes and dtypes come from the
+    checkpoint itself. `params_key=""` means the whole state is the parameters.
+    """
+    root = epath.Path(directory)
+    one = jax.sharding.SingleDeviceSharding(device or jax.devices("cpu")[0])
+    with ocp.CheckpointManager(root, options=_read_only()) as m:
+        steps = sorted(m.all_steps(), reverse=True)
+        if step is not None:
+            steps = [s for s in steps if s == step] or _no_step(root, step, steps)
+        for s in steps:  # the newest step whose tree metadata reads gives shapes and dtypes
+            try:
+                saved = _saved_tree(root / str(s))
+                break
+            except Exception:  # noqa: BLE001 -- reported by _restore_newest_good below
+                continue
+        else:
+            raise CheckpointError(f"no checkpoint with readable metadata in {root}")
+        if params_key and params_key not in saved:
+            raise CheckpointError(f"the state in {root / str(s)} has no top-level "
+                                  f"{params_key!r} entry (has {sorted(saved)})")
+        sub = saved[params_key] if params_key else saved
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
+                                sub)
+        want = {params_key: abstract} if params_key else abstract
+        got = _restore_newest_good(m, root, want, step, partial=bool(params_key))
+    if params_key:
+        got.state = got.state[params_key]
+    return got
+
+
+def _no_step(root, step, steps):
+    raise CheckpointError(f"no checkpoint for step {step} in {root} (have {sorted(steps)})")
+
+
+# ----------------------------------------------------------------------------- the manager
+
+def _agree(flag: bool) -> bool:
+    """True on every process when it is True on any (decisions that gate a collective save)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+class CheckpointManager:
+    """Saves (asynchronously, keeping the last `keep`) and restores one run's checkpoints.
+
+    `every_steps`: save when `step % every_steps == 0`; `every_minutes`: save when that much
+    time has passed since the last save (or since start). Either may be 0 (off).
+    """
+
+    def __init__(self, directory, keep: int = 3, every_steps: int = 0,
+                 every_minutes: float = 0.0, async_save: bool = True):
+        if keep < 1:
+            raise ValueError(f"keep={keep}: keep at least one checkpoint")
+        if every_steps < 0 or every_minutes < 0:
+            raise ValueError(f"every_steps={every_steps}, every_minutes={every_minutes} must "
+                             "be >= 0")
+        self.directory = epath.Path(directory)
+        self.every_steps, self.every_minutes = every_steps, every_minutes
+        self._mgr = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=async_save))
+        self._last_time = time.monotonic()
+        self._last_step = self._mgr.latest_step()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._mgr.all_steps())
+
+    def latest_step(self) -> Optional[int]:
+        return self._mgr.latest_step()
+
+    def should_save(self, step: int) -> bool:
+        """The cadence, plus JAX's preemption sync point on multi-host runs."""
+        if self._last_step is not None and step <= self._last_step:
+            return False
+        due = bool(self.every_steps) and step > 0 and step % self.every_steps == 0
+        if self.every_minutes and not due:
+            # Clocks differ between hosts: they must agree, or one host saves alone.
+            due = _agree(time.monotonic() - self._last_time >= 60.0 * self.every_minutes)
+        return due or self._mgr.reached_preemption(step)
+
+    def save(self, step: int, state, data_state=None, config=None,
+             model_config: Optional[ModelConfig] = None) -> None:
+        """Starts an asynchronous save of `step`; returns once the arrays are copied off the
+        devices (so `state` may be donated afterwards). Any error of a previous asynchronous
+        save is raised here."""
+        raw, impls = _unwrap_keys(state)
+        items = {"state": ocp.args.PyTreeSave(raw),
+                 "meta": ocp.args.JsonSave({"format": FORMAT, "step": int(step),
+                                            "time": time.time(), "prng_impls": impls,
+                                            "checksums": checksums(raw)})}
+        if data_state is not None:
+            items["data"] = ocp.args.JsonSave(_encode_data(data_state))
+        if config is not None:
+            items["config"] = ocp.args.JsonSave(_jsonable(config))
+        if model_config is not None:
+            items["model_config"] = ocp.args.JsonSave(model_config_to_dict(model_config))
+        self._mgr.save(int(step), args=ocp.args.Composite(**items), force=True)
+        self._last_step, self._last_time = int(step), time.monotonic()
+
+    def save_tokenizer(self, tokenizer) -> None:
+        """Stores the run's tokenizer once (an object with `save_pretrained`, or a directory)."""
+        dst = self.directory / "tokenizer"
+        if jax.process_index() == 0:
+            dst.mkdir(parents=True, exist_ok=True)
+            if hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(str(dst))
+            else:
+                src = epath.Path(tokenizer)
+                files = [p for p in src.iterdir() if p.is_file()] if src.is_dir() else []
+                if not files:
+                    raise FileNotFoundError(f"tokenizer directory {src} has no files")
+                for p in files:
+                    p.copy(dst / p.name, overwrite=True)
+        _sync("lrl_checkpoint_tokenizer")
+
+    def restore(self, abstract, shardings=None, step=None) -> Optional[Restored]:
+        """Like `restore_latest`; unreadable newer steps are moved to DIR/quarantine/ so that
+        the resumed run's saves and keep-last-N never touch them."""
+        target = abstract_state(abstract, shardings)
+        got = _restore_newest_good(self._mgr, self.directory, target, step)
+        if got is not None and got.skipped:
+            if jax.process_index() == 0:
+                qdir = self.directory / QUARANTINE
+                qdir.mkdir(parents=True, exist_ok=True)
+                for s, path, _ in got.skipped:
+                    dst = qdir / f"{s}-{int(time.time())}"
+                    epath.Path(path).rename(dst)
+                    log.warning("checkpoint: moved unreadable step %d to %s", s, dst)
+            _sync("lrl_checkpoint_quarantine")
+            self._mgr.reload()
+        if got is not None:
+            self._last_step = got.step
+        return got
+
+    def wait(self) -> None:
+        """Blocks until the pending asynchronous save is committed."""
+        self._mgr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mgr.wait_until_finished()
+        self._mgr.close()
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+# ----------------------------------------------------------------------------- preemption
+
+class PreemptionGuard:
+    """Turns SIGTERM (the scheduler's notice) into a flag that the loop polls.
+
+    `should_stop(step)` is True, on every process at the same step, once any process got the
+    signal or JAX's preemption sync point (multi-host runs with the coordination service)
+    is reached; the loop then saves and exits.
+    """
+
+    def __init__(self, signals=(signal.SIGTERM,)):
+        self.signals = tuple(signals)
+        self._event = threading.Event()
+        self._previous = {}
+
+    def _handler(self, signum, frame):
+        if not self._event.is_set():
+            log.warning("received %s: will save a checkpoint and stop after this step",
+                        signal.Signals(signum).name)
+        self._event.set()
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in self.signals:
+                self._previous[s] = signal.signal(s, self._handler)
+        else:
+            log.warning("PreemptionGuard outside the main thread: signals are not caught")
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous.clear()
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+    def request(self) -> None:
+        """Asks for a stop as if the signal had arrived (tests, custom triggers)."""
+        self._event.set()
+
+    def should_stop(self, step: int) -> bool:
+        if jax.process_count() == 1:
+            return self.requested
+        # Every process calls both, every step: each is a cross-host agreement.
+        return _agree(self.requested) or ocp.multihost.reached_preemption(step)
