@@ -53,16 +53,26 @@ def _assert_trees_close(a, b, rtol, atol):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
+_REFERENCE = []
+
+
+def _reference():
+    """The one-big-batch, single-device step (SGD with rate 1: the parameter change is minus
+    the gradient itself) that accumulation and sharding must reproduce."""
+    if not _REFERENCE:
+        tx = optax.sgd(1.0)
+        _REFERENCE.append(upd.make_update_fn(CFG, LOSS, tx, num_micro=1, chunk=4)(
+            _state(_params(), tx), _batch()))
+    return _REFERENCE[0]
+
+
 def test_micro_batches_equal_one_batch():
     # tests/test_losses.py checks every aggregation and ratio level; this checks the scan.
-    loss_cfg = LOSS
-    # SGD with rate 1: the parameter change is minus the accumulated gradient itself.
     tx = optax.sgd(1.0)
     params, batch = _params(), _batch()
-    one, m1 = upd.make_update_fn(CFG, loss_cfg, tx, num_micro=1, chunk=4)(_state(params, tx),
-                                                                         batch)
-    four, m4 = upd.make_update_fn(CFG, loss_cfg, tx, num_micro=4, chunk=4)(_state(params, tx),
-                                                                          batch)
+    one, m1 = _reference()
+    four, m4 = upd.make_update_fn(CFG, LOSS, tx, num_micro=4, chunk=4)(_state(params, tx),
+                                                                      batch)
     delta = jax.tree.map(lambda a, b: a - b, one.params, params)
     assert max(float(jnp.abs(d).max()) for d in jax.tree.leaves(delta)) > 1e-4  # it moved
     _assert_trees_close(one.params, four.params, rtol=1e-5, atol=1e-7)
@@ -74,14 +84,12 @@ def test_micro_batches_equal_one_batch():
 
 def test_sharded_step_equals_single_device():
     tx = optax.sgd(1.0)
-    params, batch = _params(), _batch(1)
+    want, wm = _reference()
     mesh = mesh_lib.make_mesh({"fsdp": 2, "seq": 4})
-    want, wm = upd.make_update_fn(CFG, LOSS, tx, num_micro=2, chunk=8)(_state(params, tx),
-                                                                      batch)
     sh = upd.train_state_shardings(CFG, tx, mesh)
-    state = jax.device_put(_state(params, tx), sh)
+    state = jax.device_put(_state(_params(), tx), sh)
     fn = upd.make_update_fn(CFG, LOSS, tx, mesh, num_micro=2, chunk=8)
-    got, gm = fn(state, jax.device_put(batch, mesh_lib.batch_sharding(mesh, 2)))
+    got, gm = fn(state, jax.device_put(_batch(), mesh_lib.batch_sharding(mesh, 2)))
     q = got.params["layers"]["q_proj"]["kernel"]
     assert q.sharding.spec == sh.params["layers"]["q_proj"]["kernel"].spec
     assert "fsdp" in str(q.sharding.spec)
@@ -90,14 +98,29 @@ def test_sharded_step_equals_single_device():
         np.testing.assert_allclose(gm[k], wm[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
-def test_adamw_step_sharded_init_and_metrics():
+def test_lr_schedule_and_decay_mask():
+    s = optim.lr_schedule(1.0, warmup_steps=4, total_steps=12, end_lr_ratio=0.1)
+    # Warm-up (k+1)/4; then 0.1 + 0.9·½(1 + cos(π·(k-4)/8)); constant 0.1 after step 12.
+    want = [0.25, 0.5, 0.75, 1.0, 1.0, 0.1 + 0.45 * (1 + np.cos(np.pi / 8)), 0.55, 0.1, 0.1]
+    got = [float(s(k)) for k in (0, 1, 2, 3, 4, 5, 8, 12, 20)]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    mask = optim.default_decay_mask(_params())
+    assert mask["layers"]["q_proj"]["kernel"] and mask["embed"]["embedding"]
+    assert not mask["layers"]["input_norm"]["scale"] and not mask["final_norm"]["scale"]
+    with pytest.raises(ValueError, match="total_steps"):
+        optim.lr_schedule(1.0, warmup_steps=5, total_steps=3)
+
+
+def test_adamw_bf16_step_sharded_init_and_metrics():
+    # fp32 master weights, bf16 compute.
+    cfg = CFG.replace(dtype=jnp.bfloat16)
     tx = optim.make_optimizer(lr=1e-3, warmup_steps=2, total_steps=10, weight_decay=0.01)
     mesh = mesh_lib.make_mesh({"fsdp": 4, "tensor": 2})
-    state = upd.make_init_fn(CFG, tx, mesh)(jax.random.key(0))
-    sh = upd.train_state_shardings(CFG, tx, mesh)
+    state = upd.make_init_fn(cfg, tx, mesh)(jax.random.key(0))
+    sh = upd.train_state_shardings(cfg, tx, mesh)
     for a, s in zip(jax.tree.leaves(state), jax.tree.leaves(sh)):
         assert a.sharding.is_equivalent_to(s, a.ndim)
-    fn = upd.make_update_fn(CFG, LOSS, tx, mesh, num_micro=2)
+    fn = upd.make_update_fn(cfg, LOSS, tx, mesh, num_micro=2)
     batch = jax.device_put(_batch(2), mesh_lib.batch_sharding(mesh, 2))
     state, m = fn(state, batch)
     state, m2 = fn(state, batch)
@@ -107,6 +130,7 @@ def test_adamw_step_sharded_init_and_metrics():
               "clip_frac_high", "ratio_mean", "ratio_min", "ratio_max", "tokens", "sequences"):
         assert np.isfinite(float(m2[k])), k
     assert float(m2["update_norm"]) > 0 and int(state.step) == 2
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(state.params))
 
 
 def test_logprobs_match_the_model():

@@ -38,12 +38,12 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
-def _check_batch(batch, num_micro: int):
-    missing = [k for k in REQUIRED_KEYS if k not in batch]
-    unknown = [k for k in batch if k not in REQUIRED_KEYS + OPTIONAL_KEYS]
+def _check_batch(batch, num_micro: int, required=REQUIRED_KEYS, optional=OPTIONAL_KEYS):
+    missing = [k for k in required if k not in batch]
+    unknown = [k for k in batch if optional is not None and k not in required + optional]
     if missing or unknown:
         raise ValueError(f"update: batch is missing {missing} / has unknown keys {unknown}; "
-                         f"keys are {REQUIRED_KEYS} and optionally {OPTIONAL_KEYS}")
+                         f"keys are {required} and optionally {optional}")
     shape = batch["tokens"].shape
     bad = {k: v.shape for k, v in batch.items() if v.shape != shape or len(shape) != 2}
     if bad:
@@ -147,8 +147,8 @@ def logprobs(params, batch, *, model_cfg, mesh=None, num_micro: int = 1, chunk: 
     """Forward-only token log-probs [B, T] (fp32) of `batch["targets"]`: the old policy's
     or the reference's. Uses tokens, positions, segment_ids, targets; other keys are ignored."""
     keys = ("tokens", "positions", "segment_ids", "targets")
+    _check_batch(batch, num_micro, required=keys, optional=None)
     sub = {k: batch[k] for k in keys}
-    _check_batch({**sub, "loss_mask": sub["tokens"], "advantages": sub["tokens"]}, num_micro)
 
     def one(mb):
         return _token_logprobs(model_cfg, params, _constrain(mb, mesh), mesh, chunk, False)[0]
