@@ -1,0 +1,150 @@
+"""Policy-update throughput on one accelerator, side by side with the PyTorch peer.
+
+Qwen2.5-1.5B shapes, random weights, fp32 master params with bf16 compute, one packed row of
+L tokens, one GRPO `update_step` (forward, chunked log-probs, clipped loss, backward, AdamW).
+Each (L, remat) runs in its own subprocess so peak memory and compile time are its own.
+
+    python experiments/bench/train_step.py --lengths 4096,16384,32768 \
+        --peer .dev/peer/peer_torch.py           # on the H200, prints a markdown table
+    python experiments/bench/train_step.py --smoke   # CPU, tiny shapes, checks the script
+
+FLOPs per token follow the peer's count so the ratio is like for like:
+6 * params + 6 * layers * L * width (causal attention), against --peak-tflops (791, the
+measured bf16 matmul rate of the H200).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def qwen25_15b(**kw):
+    from lrl.models import ModelConfig
+    return ModelConfig(model_type="qwen2", vocab_size=151936, d_model=1536, n_layers=28,
+                       n_heads=12, n_kv_heads=2, head_dim=128, mlp_dim=8960, rope_theta=1e6,
+                       qkv_bias=True, tie_embeddings=True, **kw)
+
+
+def tiny(**kw):
+    from lrl.models import ModelConfig
+    return ModelConfig(model_type="qwen2", vocab_size=512, d_model=64, n_layers=2, n_heads=4,
+                       n_kv_heads=2, head_dim=16, mlp_dim=128, qkv_bias=True,
+                       tie_embeddings=True, **kw)
+
+
+def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from lrl import mesh as mesh_lib
+    from lrl.rl import losses, optim, update
+
+    dtype = jnp.float32 if smoke else jnp.bfloat16
+    make = tiny if smoke else qwen25_15b
+    cfg = make(dtype=dtype, param_dtype=jnp.float32, remat=remat, attention=attention)
+    mesh = mesh_lib.make_mesh({"fsdp": -1}, devices=jax.devices()[:1])
+    tx = optim.make_optimizer(lr=1e-6, warmup_steps=1, total_steps=100)
+    state = update.make_init_fn(cfg, tx, mesh)(jax.random.key(0))
+    fn = update.make_update_fn(cfg, losses.LossConfig(), tx, mesh, chunk=chunk)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (1, L), dtype=np.int32)
+    batch = {"tokens": tokens, "positions": np.arange(L, dtype=np.int32)[None],
+             "segment_ids": np.ones((1, L), np.int32),
+             "targets": np.roll(tokens, -1, axis=1), "loss_mask": np.ones((1, L), np.float32),
+             "advantages": rng.standard_normal((1, L)).astype(np.float32)}
+    batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh, 2))
+    t0 = time.perf_counter()
+    compiled = fn.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    state, m = compiled(state, batch)
+    jax.block_until_ready(m)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        state, m = compiled(state, batch)
+    jax.block_until_ready((state, m))
+    dt = (time.perf_counter() - t0) / repeats
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    flops = (6 * n_params + 6 * cfg.n_layers * L * cfg.d_model) * L
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"lrl": True, "seq": L, "remat": remat, "attention": attention, "step_s": dt,
+            "tokens_per_s": L / dt, "tflops": flops / dt / 1e12, "compile_s": compile_s,
+            "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+            "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="4096,16384,32768")
+    ap.add_argument("--remat", default="full,save_attn,dots_no_batch",
+                    help="comma-separated policies to try per length; the best is reported")
+    ap.add_argument("--attention", default="dense")
+    ap.add_argument("--chunk", type=int, default=2048, help="log-prob chunk (tokens)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--peak-tflops", type=float, default=791.0)
+    ap.add_argument("--peer", default="", help="path to peer_torch.py: run it in this command")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--child", default="")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    if a.child:
+        L, remat = a.child.split(":")
+        try:
+            rec = one(int(L), remat, a.smoke, a.repeats, a.attention, a.chunk)
+        except Exception as e:  # out of memory, mostly: record it and go on
+            rec = {"lrl": True, "seq": int(L), "remat": remat, "error": f"{type(e).__name__}: "
+                   f"{str(e).splitlines()[0][:200]}"}
+        print("RESULT " + json.dumps(rec), flush=True)
+        return
+    lengths = [int(x) for x in a.lengths.split(",")]
+    if a.smoke:
+        lengths = [64, 128]
+    results = []
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    for L in lengths:
+        for remat in a.remat.split(","):
+            cmd = [sys.executable, __file__, "--child", f"{L}:{remat}", "--repeats",
+                   str(a.repeats), "--attention", a.attention, "--chunk", str(a.chunk)]
+            cmd += ["--smoke"] if a.smoke else []
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            recs = [json.loads(l[7:]) for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+            rec = recs[0] if recs else {"seq": L, "remat": remat,
+                                        "error": (out.stderr.strip().splitlines() or ["?"])[-1][:200]}
+            print(json.dumps(rec), flush=True)
+            results.append(rec)
+    peer = {}
+    if a.peer:
+        out = subprocess.run([sys.executable, a.peer, "--train", ",".join(map(str, lengths)),
+                              "--generate", ""], capture_output=True, text=True)
+        for line in out.stdout.splitlines():
+            if line.startswith("{"):
+                rec = json.loads(line)
+                print(line, flush=True)
+                peer[rec["seq"]] = rec
+        if not peer:
+            print("peer failed:", out.stderr[-2000:])
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"lrl": results, "peer": list(peer.values())}, f, indent=1)
+    print("\n| L | remat | lrl tok/s | MFU | peak GiB | compile s | peer tok/s | peer MFU | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rec in results:
+        p = peer.get(rec["seq"], {})
+        if "error" in rec:
+            print(f"| {rec['seq']} | {rec['remat']} | {rec['error']} | | | | "
+                  f"{p.get('tokens_per_s', p.get('error', ''))} | | |")
+            continue
+        mfu = rec["tflops"] / a.peak_tflops
+        ratio = rec["tokens_per_s"] / p["tokens_per_s"] if p.get("tokens_per_s") else None
+        print(f"| {rec['seq']} | {rec['remat']} | {rec['tokens_per_s']:.0f} | {mfu:.1%} | "
+              f"{rec['peak_gib']:.1f} | {rec['compile_s']:.1f} | "
+              f"{p.get('tokens_per_s', p.get('error', '-')) if p else '-'} | "
+              f"{p.get('mfu', 0):.1%} | {f'{ratio:.2f}x' if ratio else '-'} |")
+
+
+if __name__ == "__main__":
+    main()
