@@ -35,6 +35,7 @@ The loop's side:
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import logging
@@ -57,6 +58,7 @@ FORMAT = 1
 ITEMS = ("state", "meta", "data", "config", "model_config")
 QUARANTINE = "quarantine"
 _TMP_MARK = ".orbax-checkpoint-tmp"
+_BYTES = "__lrl_bytes_b64__"
 
 
 def _read_only():
@@ -126,19 +128,29 @@ def _jsonable(x, where="config"):
     return str(x)
 
 
-def _encode_data(data_state):
-    # grain's DataLoader iterators give their state as JSON bytes, dataset iterators as dicts.
-    if isinstance(data_state, bytes):
-        return {"__lrl_bytes__": data_state.decode("utf-8")}
-    try:
-        json.dumps(data_state)
-    except TypeError as e:
-        raise TypeError(f"data_state must be JSON-serialisable (or bytes): {e}") from e
-    return data_state
+def _encode_data(x, where="data_state"):
+    """JSON for the data-iterator state; bytes (grain's DataLoader states) anywhere inside
+    are kept as base64 and come back as bytes."""
+    if isinstance(x, bytes):
+        return {_BYTES: base64.b64encode(x).decode("ascii")}
+    if isinstance(x, dict):
+        return {str(k): _encode_data(v, f"{where}[{k!r}]") for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_encode_data(v, f"{where}[{i}]") for i, v in enumerate(x)]
+    if isinstance(x, np.generic):
+        return x.item()
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise TypeError(f"{where} is a {type(x).__name__}: the data state must be JSON "
+                    "(dicts, lists, numbers, strings) or bytes")
 
 
-def _decode_data(d):
-    return d["__lrl_bytes__"].encode() if isinstance(d, dict) and "__lrl_bytes__" in d else d
+def _decode_data(x):
+    if isinstance(x, dict):
+        if set(x) == {_BYTES}:
+            return base64.b64decode(x[_BYTES])
+        return {k: _decode_data(v) for k, v in x.items()}
+    return [_decode_data(v) for v in x] if isinstance(x, list) else x
 
 
 # ----------------------------------------------------------------------------- state trees

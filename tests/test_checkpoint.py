@@ -228,12 +228,14 @@ def test_config_items_round_trip(tmp_path):
     mc = CFG.replace(eos_token_ids=(3, 4), bos_token_id=1, param_dtype=jnp.bfloat16,
                      attention="ring")
     with ck.CheckpointManager(tmp_path) as mgr:
-        mgr.save(1, small_state(1), config=cfg, model_config=mc, data_state={"i": [1, 2]})
-        with pytest.raises(TypeError, match="JSON"):
+        mgr.save(1, small_state(1), config=cfg, model_config=mc,
+                 data_state={"i": [1, 2], "grain": b"\x00\xffraw", "n": np.int64(5)})
+        with pytest.raises(TypeError, match=r"data_state\['bad'\] is a object"):
             mgr.save(2, small_state(2), data_state={"bad": object()})
     got = ck.restore_latest(tmp_path, jax.eval_shape(lambda: small_state(0)),
                             SingleDeviceSharding(jax.devices()[0]))
-    assert got.model_config == mc and got.data_state == {"i": [1, 2]}
+    assert got.model_config == mc
+    assert got.data_state == {"i": [1, 2], "grain": b"\x00\xffraw", "n": 5}
     assert got.config["lr"] == 3e-4 and got.config["axes"] == [1, 2]
     assert "bfloat16" in got.config["dtype"]
     with pytest.raises(ck.CheckpointError, match="flash"):
