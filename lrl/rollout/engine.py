@@ -301,8 +301,8 @@ class Engine:
         state = DecodeState(z(pool_shape, c.dtype), z(pool_shape, c.dtype), z((S, M), jnp.int32),
                             z((S,), jnp.int32), z((S,), jnp.int32), z((S,), bool),
                             z((S,), jnp.int32), z((S,), jnp.int32), z((S,), jnp.int32))
-        if self.mesh is None:
-            return state
+        if self.mesh is None:   # committed, so later calls see the same argument shardings
+            return jax.device_put(state, jax.local_devices()[0])
         tensor = self.mesh.shape["tensor"]
         kv_spec = PartitionSpec("tensor" if c.n_kv_heads % tensor == 0 and tensor > 1 else None)
         shard = lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec))  # noqa: E731

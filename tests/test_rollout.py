@@ -1,0 +1,199 @@
+"""The rollout engine on tiny random HF models: greedy decoding against transformers' generate,
+log-probs against the training forward, shared prompt pages, continuous batching, chunked
+prefill, seeds, pool errors and a sharded run."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import lrl.models as models
+import lrl.rollout as rollout
+from lrl import mesh as mesh_lib
+from lrl.rollout.engine import Engine, EngineConfig
+from tests.hf_util import make_hf_model
+from tests.test_pages import _np_filtered_logp
+
+# Small pages, chunks and blocks so that prompts cross pages, a prompt is chunked, attention
+# loops over several page blocks and more samples wait than there are slots.
+SMALL = dict(page_size=4, prefill_chunk=8, steps_per_call=4, prefill_block_pages=2,
+             decode_block_pages=2)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    made = {}
+
+    def get(family):
+        if family not in made:
+            path = tmp_path_factory.mktemp(family)
+            torch_model = make_hf_model(family, path)
+            cfg, params = models.load_hf(str(path))
+            made[family] = (torch_model, cfg, params, path)
+        return made[family]
+    return get
+
+
+def _prompts(cfg, lengths, seed=0):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(3, cfg.vocab_size, size=n).astype(np.int32) for n in lengths]
+
+
+def _forward_logits(cfg, params, prompts, samples):
+    """Rows of the training forward's logits that predicted each sample's tokens, from one
+    right-padded batch (causal attention keeps the padding out of view)."""
+    seqs = [np.concatenate([p, t]) for p, ss in zip(prompts, samples) for t, _ in ss]
+    batch = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for i, s in enumerate(seqs):
+        batch[i, :len(s)] = s
+    logits = np.asarray(models.forward(cfg, params, batch))
+    rows, i = [], 0
+    for p, ss in zip(prompts, samples):
+        rows.append([logits[i + j, len(p) - 1:len(p) - 1 + len(t)] for j, (t, _) in enumerate(ss)])
+        i += len(ss)
+    return rows
+
+
+def _log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_greedy_matches_transformers(tiny, family):
+    torch_model, cfg, params, _ = tiny(family)
+    # 12 tokens > prefill_chunk 8: chunked; 9 - 1 = 8 cached: full pages only; 1: no prefill.
+    prompts = _prompts(cfg, [5, 12, 1, 9])
+    n = 6
+    outs = rollout.generate(cfg, params, prompts, max_new_tokens=n, num_samples=2, max_slots=3,
+                            eos_ids=cfg.eos_token_ids, **SMALL)
+    ref_rows = _forward_logits(cfg, params, prompts, outs)
+    for prompt, samples, rows_g in zip(prompts, outs, ref_rows):
+        with torch.no_grad():
+            want = torch_model.generate(
+                torch.as_tensor(prompt[None], dtype=torch.long), do_sample=False,
+                max_new_tokens=n, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                pad_token_id=0).numpy()[0, len(prompt):]
+        assert len(samples) == 2
+        for (tokens, logps), rows in zip(samples, rows_g):
+            np.testing.assert_array_equal(tokens, want)
+            rows = _log_softmax(rows)
+            np.testing.assert_allclose(logps, rows[np.arange(len(tokens)), tokens], atol=1e-4)
+
+
+def test_sampled_logps_match_forward_and_seeds_repeat(tiny):
+    _, cfg, params, _ = tiny("qwen3")
+    prompts = _prompts(cfg, [7, 3, 10], seed=1)
+    kw = dict(max_new_tokens=5, num_samples=3, temperature=1.0, max_slots=4, **SMALL)
+    outs = rollout.generate(cfg, params, prompts, seed=7, **kw)
+    for samples, rows_g in zip(outs, _forward_logits(cfg, params, prompts, outs)):
+        for (tokens, logps), rows in zip(samples, rows_g):
+            assert tokens.dtype == np.int32 and logps.dtype == np.float32
+            assert len(tokens) == 5
+            rows = _log_softmax(rows)
+            np.testing.assert_allclose(logps, rows[np.arange(5), tokens], atol=1e-4)
+    again = rollout.generate(cfg, params, prompts, seed=7, **kw)
+    for a, b in zip(outs, again):
+        for (ta, la), (tb, lb) in zip(a, b):
+            np.testing.assert_array_equal(ta, tb)
+            np.testing.assert_array_equal(la, lb)
+    other = rollout.generate(cfg, params, prompts, seed=8, **kw)
+    flat = lambda o: np.concatenate([t for s in o for t, _ in s])  # noqa: E731
+    assert not np.array_equal(flat(outs), flat(other))
+    assert len({tuple(t) for s in outs for t, _ in s}) > 3   # samples of a prompt differ
+
+
+def test_top_k_top_p_logps_are_under_the_filtered_distribution(tiny):
+    _, cfg, params, _ = tiny("llama")
+    prompts = _prompts(cfg, [6, 4], seed=2)
+    outs = rollout.generate(cfg, params, prompts, max_new_tokens=4, num_samples=2,
+                            temperature=0.7, top_k=20, top_p=0.9, **SMALL)
+    for samples, rows_g in zip(outs, _forward_logits(cfg, params, prompts, outs)):
+        for (tokens, logps), rows in zip(samples, rows_g):
+            want = [_np_filtered_logp(r, 0.7, 20, 0.9)[t] for r, t in zip(rows, tokens)]
+            np.testing.assert_allclose(logps, want, atol=1e-4)
+
+
+def test_engine_shares_prompt_pages_and_frees_them(tiny):
+    _, cfg, params, _ = tiny("qwen2")
+    ecfg = EngineConfig(page_size=4, num_pages=40, max_slots=4, max_pages_per_slot=8,
+                        prefill_chunk=16, prefill_block_pages=2, decode_block_pages=2)
+    engine = Engine(cfg, ecfg)
+    state = engine.init_decode_state()
+    prompt = _prompts(cfg, [11])[0]                # 10 cached tokens: 2 full pages + 2 of 4
+    prefix, state = engine.prefill(params, state, prompt)
+    full, partial = prefix.full_pages, prefix.pages[-1]
+    assert len(full) == 2 and prefix.partial
+    state = engine.insert(prefix, state, [0, 2, 3], max_new_tokens=5)
+    assert engine.pool.refcount[full].tolist() == [4, 4]   # prefix + 3 samples
+    assert engine.pool.refcount[partial] == 1
+    rows = [engine.slot_pages[s] for s in (0, 2, 3)]
+    assert all(r[:2] == full for r in rows)
+    own = [p for r in rows for p in r[2:]]
+    assert len(own) == len(set(own)) == 3 * 2 and partial not in own
+    kp = np.asarray(state.k_pages)
+    P = ecfg.num_pages
+    for r in rows:   # each sample got a copy of the partial page, in every layer
+        for layer in range(cfg.n_layers):
+            np.testing.assert_array_equal(kp[:, layer * P + r[2], :2], kp[:, layer * P + partial, :2])
+    engine.release(prefix)
+    assert engine.pool.refcount[partial] == 0 and engine.pool.refcount[full].tolist() == [3, 3]
+    state, out = engine.generate(params, state, jax.random.key(0), num_steps=6)
+    valid = np.asarray(out.valid)
+    assert valid[:, [0, 2, 3]].sum(0).tolist() == [5, 5, 5] and not valid[:, 1].any()
+    tokens = np.asarray(out.tokens)[:5]
+    np.testing.assert_array_equal(tokens[:, 0], tokens[:, 2])   # greedy: samples agree
+    np.testing.assert_array_equal(tokens[:, 0], tokens[:, 3])
+    assert not np.asarray(state.active).any()
+    state = engine.free(state, [0, 2, 3])
+    assert engine.pool.all_free()
+    with pytest.raises(ValueError, match="not in use"):
+        engine.free(state, [0])
+
+
+def test_chunked_prefill_equals_one_shot(tiny):
+    _, cfg, params, _ = tiny("llama")
+    prompt = _prompts(cfg, [23], seed=3)[0]        # 22 cached tokens
+    caches = []
+    for chunk in (4, 32):
+        ecfg = EngineConfig(page_size=4, num_pages=12, max_slots=1, max_pages_per_slot=8,
+                            prefill_chunk=chunk, min_prefill_bucket=4, prefill_block_pages=2,
+                            decode_block_pages=2)
+        engine = Engine(cfg, ecfg)
+        prefix, state = engine.prefill(params, engine.init_decode_state(), prompt)
+        P = ecfg.num_pages
+        idx = np.array([[layer * P + p for p in prefix.pages] for layer in range(cfg.n_layers)])
+        k = np.asarray(state.k_pages)[:, idx].reshape(cfg.n_kv_heads, cfg.n_layers, -1,
+                                                       cfg.head_dim)[:, :, :22]
+        v = np.asarray(state.v_pages)[:, idx].reshape(k.shape[:2] + (-1, cfg.head_dim))[:, :, :22]
+        caches.append((k, v))
+    (k4, v4), (k32, v32) = caches
+    assert np.abs(k32).sum() > 0
+    np.testing.assert_allclose(k4, k32, atol=1e-5)
+    np.testing.assert_allclose(v4, v32, atol=1e-5)
+
+
+def test_pool_and_prompt_errors(tiny):
+    _, cfg, params, _ = tiny("llama")
+    prompts = _prompts(cfg, [4, 30])
+    with pytest.raises(ValueError, match=r"prompt 1 of 30 tokens \+ 4 new needs 10 pages .*pool"):
+        rollout.generate(cfg, params, prompts, max_new_tokens=4, page_size=4, pool_tokens=16)
+    with pytest.raises(ValueError, match="prompt 1 has token ids outside"):
+        rollout.generate(cfg, params, [[1, 2], [5, cfg.vocab_size]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt 0 must be a non-empty"):
+        rollout.generate(cfg, params, [[]], max_new_tokens=2)
+
+
+def test_sharded_params_give_the_same_samples(tiny):
+    _, cfg, params, path = tiny("qwen2")
+    mesh = mesh_lib.make_mesh({"fsdp": 4, "tensor": 2})
+    cfg_s, params_s = models.load_hf(str(path), mesh=mesh)
+    prompts = _prompts(cfg, [6, 9], seed=4)
+    kw = dict(max_new_tokens=4, num_samples=2, temperature=1.0, seed=3, **SMALL)
+    want = rollout.generate(cfg, params, prompts, **kw)
+    got = rollout.generate(cfg_s, params_s, prompts, mesh=mesh, **kw)
+    assert params_s["layers"]["q_proj"]["kernel"].sharding.spec[1] == "fsdp"  # left as given
+    for a, b in zip(want, got):
+        for (ta, la), (tb, lb) in zip(a, b):
+            np.testing.assert_array_equal(ta, tb)
+            np.testing.assert_allclose(la, lb, atol=1e-4)
