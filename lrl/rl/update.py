@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lrl import mesh as mesh_lib
 from lrl import models
@@ -74,7 +75,13 @@ def _constrain(tree, mesh):
 def _token_logprobs(model_cfg, params, mb, mesh, chunk, compute_entropy):
     x_BTD = models.hidden_states(model_cfg, params, mb["tokens"], mb["positions"],
                                  mb["segment_ids"], mesh)
-    return token_logprobs_and_entropy(x_BTD, models.unembedding(model_cfg, params),
+    w_DV = models.unembedding(model_cfg, params).astype(x_BTD.dtype)
+    if mesh is not None:
+        # Gather D (fsdp) once, before the chunk loop, instead of once per chunk inside it;
+        # V stays split over tensor where it divides.
+        v_axis = "tensor" if w_DV.shape[1] % mesh.shape["tensor"] == 0 else None
+        w_DV = jax.lax.with_sharding_constraint(w_DV, NamedSharding(mesh, P(None, v_axis)))
+    return token_logprobs_and_entropy(x_BTD, w_DV,
                                       mb["targets"].astype(jnp.int32), chunk=chunk,
                                       compute_entropy=compute_entropy)
 
