@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import json
 import logging
 import signal
 import threading
@@ -55,7 +54,6 @@ from lrl.models.config import ModelConfig
 log = logging.getLogger(__name__)
 
 FORMAT = 1
-ITEMS = ("state", "meta", "data", "config", "model_config")
 QUARANTINE = "quarantine"
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _BYTES = "__lrl_bytes_b64__"
@@ -67,6 +65,11 @@ def _read_only():
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint, or a checkpoint that does not match what is asked of it."""
+
+
+class StateMismatchError(CheckpointError):
+    """The state asked for has another structure or shapes than the one saved: a caller
+    error (wrong model or optimizer config), not a damaged checkpoint."""
 
 
 @dataclasses.dataclass
@@ -113,14 +116,14 @@ def model_config_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**out)
 
 
-def _jsonable(x, where="config"):
+def _jsonable(x):
     """Experiment configs (ConfigDict or dict) -> plain JSON; non-JSON values become strings."""
     if hasattr(x, "to_dict"):
         x = x.to_dict()
     if isinstance(x, dict):
-        return {str(k): _jsonable(v, f"{where}.{k}") for k, v in x.items()}
+        return {str(k): _jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v, where) for v in x]
+        return [_jsonable(v) for v in x]
     if isinstance(x, (np.generic, np.ndarray)):
         return x.tolist()
     if x is None or isinstance(x, (bool, int, float, str)):
@@ -246,13 +249,13 @@ def _check_against_saved(abstract, step_dir: epath.Path):
     want = {_path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     if missing or extra:
-        raise CheckpointError(f"state structure differs from the checkpoint in {step_dir}: "
-                              f"not in checkpoint {missing[:8]}, not in state {extra[:8]}")
+        raise StateMismatchError(f"state structure differs from the checkpoint in {step_dir}: "
+                                 f"not in checkpoint {missing[:8]}, not in state {extra[:8]}")
     for k, x in want.items():
         shape = tuple(getattr(have[k], "shape", ()) or ())
         if shape != tuple(x.shape):
-            raise CheckpointError(f"state leaf {k!r} has shape {tuple(x.shape)}, the checkpoint "
-                                  f"in {step_dir} has {shape}")
+            raise StateMismatchError(f"state leaf {k!r} has shape {tuple(x.shape)}, the "
+                                     f"checkpoint in {step_dir} has {shape}")
 
 
 def _restore_step(mgr, step: int, step_dir: epath.Path, abstract, partial=False):
@@ -324,10 +327,8 @@ def _restore_newest_good(mgr, root: epath.Path, abstract, step=None, partial=Fal
         step_dir = root / str(s)
         try:
             got = _restore_step(mgr, s, step_dir, abstract, partial)
-        except CheckpointError as e:
-            if "structure differs" in str(e) or "has shape" in str(e):
-                raise
-            reason = str(e)
+        except StateMismatchError:
+            raise
         except Exception as e:  # noqa: BLE001 -- any read failure marks the step bad
             reason = f"{type(e).__name__}: {e}"
         else:
@@ -451,10 +452,13 @@ class CheckpointManager:
         return due or self._mgr.reached_preemption(step)
 
     def save(self, step: int, state, data_state=None, config=None,
-             model_config: Optional[ModelConfig] = None) -> None:
+             model_config: Optional[ModelConfig] = None) -> bool:
         """Starts an asynchronous save of `step`; returns once the arrays are copied off the
         devices (so `state` may be donated afterwards). Any error of a previous asynchronous
-        save is raised here."""
+        save is raised here. A step already saved is not saved again (returns False)."""
+        if step == self._last_step or step in self._mgr.all_steps():
+            log.info("checkpoint: step %d is already saved", step)
+            return False
         raw, impls = _unwrap_keys(state)
         items = {"state": ocp.args.PyTreeSave(raw),
                  "meta": ocp.args.JsonSave({"format": FORMAT, "step": int(step),
@@ -468,6 +472,7 @@ class CheckpointManager:
             items["model_config"] = ocp.args.JsonSave(model_config_to_dict(model_config))
         self._mgr.save(int(step), args=ocp.args.Composite(**items), force=True)
         self._last_step, self._last_time = int(step), time.monotonic()
+        return True
 
     def save_tokenizer(self, tokenizer) -> None:
         """Stores the run's tokenizer once (an object with `save_pretrained`, or a directory)."""

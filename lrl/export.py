@@ -5,7 +5,8 @@
 
 Runs on one host without the training mesh: only the parameters are read (never the
 optimizer state), each whole on one CPU device, from the orbax checkpoint written by
-`lrl.checkpoint` (the newest good step unless `--step`; DIR may also be one step directory).
+`lrl.checkpoint` (the newest good step unless `--step`; DIR may also be the run's workdir,
+holding `checkpoints/`, or one step directory).
 Written to OUT: `model.safetensors` (or shards plus `model.safetensors.index.json` above
 `--max_shard_bytes`), `config.json`, `generation_config.json`, the tokenizer (from `--tokenizer`
 or the checkpoint's `tokenizer/`) and, with `--format=torch`, `pytorch_model.bin`.
@@ -48,10 +49,12 @@ _RUNTIME_FIELDS = ("dtype", "param_dtype", "attention", "attention_impl", "remat
 
 
 def _resolve_checkpoint(path: str, step: Optional[int]):
-    """DIR of a run, or one of its step directories -> (run dir, step or None)."""
+    """A run's checkpoint dir, its workdir, or one step dir -> (checkpoint dir, step or None)."""
     p = epath.Path(path)
     if not p.exists():
         raise FileNotFoundError(f"--checkpoint={path}: no such directory")
+    if not any(c.name.isdigit() for c in p.iterdir()) and (p / "checkpoints").is_dir():
+        p = p / "checkpoints"  # the run's workdir was given
     if (p / "state").exists() and p.name.isdigit():
         if step is not None and step != int(p.name):
             raise ValueError(f"--checkpoint={path} is step {p.name} but --step={step}")

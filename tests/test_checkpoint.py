@@ -4,6 +4,7 @@ import logging
 import os
 import signal
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,16 @@ import lrl.models as models
 from lrl import checkpoint as ck
 from lrl import mesh as mesh_lib
 
+class State(NamedTuple):  # the shape of lrl.rl.update.TrainState, plus an rng key
+    step: jax.Array
+    params: dict
+    opt_state: tuple
+    rng: jax.Array
+
+
+# orbax's reader may leave an asyncio callback behind when tensorstore fails mid-read.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
 CFG = models.tiny_config(n_layers=2, d_model=32, mlp_dim=64, vocab_size=96, head_dim=8)
 TX = optax.adamw(1e-2)
 
@@ -26,7 +37,7 @@ def make_state(mesh, seed=0):
     opt = jax.jit(lambda p: jax.tree.map(lambda x: x + 3 if x.dtype == jnp.int32 else
                                          x + 0.25 * jnp.cos(x), TX.init(p)))(params)
     rng = jax.device_put(jax.random.key(seed + 7), NamedSharding(mesh, P()))
-    return {"step": jnp.int32(2), "params": params, "opt_state": opt, "rng": rng}
+    return State(jnp.int32(2), params, opt, rng)
 
 
 def target_for(mesh):
@@ -40,8 +51,8 @@ def target_for(mesh):
     adam = adam._replace(count=sds(adam.count, rep), mu=jax.tree.map(sds, adam.mu, psh),
                          nu=jax.tree.map(sds, adam.nu, psh))
     key = jax.eval_shape(lambda: jax.random.key(0))
-    return {"step": sds(jax.ShapeDtypeStruct((), jnp.int32), rep), "params": params,
-            "opt_state": (adam, *rest), "rng": sds(key, rep)}
+    return State(sds(jax.ShapeDtypeStruct((), jnp.int32), rep), params, (adam, *rest),
+                 sds(key, rep))
 
 
 def leaves_equal(a, b):
@@ -58,7 +69,7 @@ def saved(tmp_path_factory):
     d = tmp_path_factory.mktemp("run") / "ckpt"
     mesh = mesh_lib.make_mesh({"fsdp": 4, "tensor": 2})
     state = make_state(mesh)
-    q = state["params"]["layers"]["q_proj"]["kernel"]
+    q = state.params["layers"]["q_proj"]["kernel"]
     assert len({s.device for s in q.addressable_shards}) == 8 and q.sharding.spec[1] == "fsdp"
     with ck.CheckpointManager(d, keep=3) as mgr:
         mgr.save(7, state, data_state={"epoch": 1, "position": 1234}, model_config=CFG,
@@ -84,7 +95,8 @@ def test_restore_on_fewer_devices(saved, where):
     assert got.config == {"lr": 1e-2, "mesh": {"fsdp": 4, "tensor": 2}, "name": "t"}
     assert got.model_config == CFG
     state = got.state
-    assert jax.dtypes.issubdtype(state["rng"].dtype, jax.dtypes.prng_key)
+    assert isinstance(state, State)
+    assert jax.dtypes.issubdtype(state.rng.dtype, jax.dtypes.prng_key)
     leaves_equal(jax.tree.map(np.asarray, jax.tree.map(
         lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(
             x.dtype, jax.dtypes.prng_key) else x, state)), host)
@@ -93,12 +105,11 @@ def test_restore_on_fewer_devices(saved, where):
         want_sharding = shardings or want.sharding
         assert got_leaf.sharding == want_sharding, (got_leaf.sharding, want_sharding)
     if where == "mesh2":
-        q = state["params"]["layers"]["q_proj"]["kernel"]
+        q = state.params["layers"]["q_proj"]["kernel"]
         assert q.sharding.spec[2] == "tensor"
         assert len(q.addressable_shards) == 2
     # The restored state continues training: one more update runs on it.
-    jax.block_until_ready(jax.jit(TX.update)(state["params"], state["opt_state"],
-                                             state["params"]))
+    jax.block_until_ready(jax.jit(TX.update)(state.params, state.opt_state, state.params))
 
 
 def test_wrong_state_is_a_caller_error(saved):
@@ -106,12 +117,11 @@ def test_wrong_state_is_a_caller_error(saved):
     one = SingleDeviceSharding(jax.devices()[0])
     bad = jax.eval_shape(lambda: {"step": jnp.int32(0), "params": models.init_params(
         CFG.replace(mlp_dim=32), jax.random.key(0))})
-    with pytest.raises(ck.CheckpointError, match="not in state"):
+    with pytest.raises(ck.StateMismatchError, match="not in state"):
         ck.restore_latest(d, bad, one)
     bigger = target_for(mesh_lib.make_mesh({"fsdp": 1}, devices=jax.devices()[:1]))
-    bigger["params"]["final_norm"]["scale"] = jax.ShapeDtypeStruct((CFG.d_model + 1,),
-                                                                    jnp.float32)
-    with pytest.raises(ck.CheckpointError, match="final_norm/scale"):
+    bigger.params["final_norm"]["scale"] = jax.ShapeDtypeStruct((CFG.d_model + 1,), jnp.float32)
+    with pytest.raises(ck.StateMismatchError, match="final_norm/scale"):
         ck.restore_latest(d, bigger, one)
 
 
@@ -134,7 +144,7 @@ def test_keep_last_n_and_cadence(tmp_path):
     assert not timed.should_save(13)
     time.sleep(0.2)
     assert timed.should_save(13)
-    timed.save(13, small_state(13))
+    assert timed.save(13, small_state(13)) and not timed.save(13, small_state(99))
     assert not timed.should_save(14)
     timed.close()
     one = SingleDeviceSharding(jax.devices()[0])
@@ -154,8 +164,6 @@ def _garble(step_dir):
                 open(path, "wb").write(bytes(b))
 
 
-# orbax's reader may leave an asyncio callback behind when tensorstore fails mid-read.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", ["garbled", "missing", "bad_json"])
 def test_corrupt_latest_falls_back(tmp_path, caplog, damage):
     with ck.CheckpointManager(tmp_path, keep=5) as mgr:

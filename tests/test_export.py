@@ -2,6 +2,7 @@
 loads with the same logits as lrl's forward on the checkpoint's parameters."""
 import json
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,12 @@ from lrl import checkpoint as ck
 from lrl import export
 from tests.hf_util import hf_logits, make_hf_model, rel_err
 
+class TrainState(NamedTuple):  # as lrl.rl.update.TrainState
+    step: jax.Array
+    params: dict
+    opt_state: tuple
+
+
 TOKENS = np.random.RandomState(0).randint(0, 128, size=(2, 24))
 
 
@@ -23,12 +30,11 @@ def _save_run(family, tmp, with_model_config=True, tokenizer=None, steps=(3, 5))
     """A checkpoint as the loop writes it: params of a tiny HF model inside a train state."""
     make_hf_model(family, tmp / "hf")
     cfg, params = models.load_hf(str(tmp / "hf"))
-    state = {"step": jnp.int32(0), "params": params,
-             "opt_state": optax.adamw(1e-3).init(params), "rng": jax.random.key(1)}
+    state = TrainState(jnp.int32(0), params, optax.adamw(1e-3).init(params))
     with ck.CheckpointManager(tmp / "ckpt", keep=3) as mgr:
         for s in steps:
             if s != steps[-1]:  # an older step with other weights: export must take the newest
-                old = dict(state, params=jax.tree.map(lambda x: x * 0.5, params))
+                old = state._replace(params=jax.tree.map(lambda x: x * 0.5, params))
                 mgr.save(s, old, model_config=cfg if with_model_config else None)
             else:
                 mgr.save(s, state, model_config=cfg if with_model_config else None)
@@ -95,7 +101,8 @@ def test_older_step_tokenizer_and_overwrite(tmp_path):
     with pytest.raises(FileExistsError, match="--overwrite"):
         export.export(str(tmp_path / "ckpt"), str(out), step=3)
     assert (out / "stale.txt").exists()
-    report = export.export(str(tmp_path / "ckpt"), str(out), step=3, overwrite=True)
+    os.rename(tmp_path / "ckpt", tmp_path / "checkpoints")  # the loop's workdir layout
+    report = export.export(str(tmp_path), str(out), step=3, overwrite=True)
     assert report["step"] == 3 and not (out / "stale.txt").exists()
     assert "tokenizer.json" in report["files"]
     back = transformers.AutoTokenizer.from_pretrained(str(out))
