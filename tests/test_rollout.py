@@ -124,20 +124,26 @@ def test_engine_shares_prompt_pages_and_frees_them(tiny):
     prefix, state = engine.prefill(params, state, prompt)
     full, partial = prefix.full_pages, prefix.pages[-1]
     assert len(full) == 2 and prefix.partial
-    state = engine.insert(prefix, state, [0, 2, 3], max_new_tokens=5)
-    assert engine.pool.refcount[full].tolist() == [4, 4]   # prefix + 3 samples
+    state = engine.insert(prefix, state, [0, 2], max_new_tokens=5)
+    assert engine.pool.refcount[full].tolist() == [3, 3]   # prefix + 2 samples
     assert engine.pool.refcount[partial] == 1
-    rows = [engine.slot_pages[s] for s in (0, 2, 3)]
+    rows = [engine.slot_pages[s] for s in (0, 2)]
     assert all(r[:2] == full for r in rows)
     own = [p for r in rows for p in r[2:]]
-    assert len(own) == len(set(own)) == 3 * 2 and partial not in own
+    assert len(own) == len(set(own)) == 2 * 2 and partial not in own
     kp = np.asarray(state.k_pages)
     P = ecfg.num_pages
     for r in rows:   # each sample got a copy of the partial page, in every layer
         for layer in range(cfg.n_layers):
             np.testing.assert_array_equal(kp[:, layer * P + r[2], :2], kp[:, layer * P + partial, :2])
+    # The last sample takes the partial page over instead of copying it.
+    state = engine.insert(prefix, state, [3], sample_ids=[2], max_new_tokens=5, last=True)
+    assert engine.slot_pages[3][:3] == full + [partial]
+    assert engine.pool.refcount[full].tolist() == [4, 4]
+    with pytest.raises(ValueError, match="last sample"):
+        engine.insert(prefix, state, [1], max_new_tokens=5)
     engine.release(prefix)
-    assert engine.pool.refcount[partial] == 0 and engine.pool.refcount[full].tolist() == [3, 3]
+    assert engine.pool.refcount[partial] == 1 and engine.pool.refcount[full].tolist() == [3, 3]
     state, out = engine.generate(params, state, jax.random.key(0), num_steps=6)
     valid = np.asarray(out.valid)
     assert valid[:, [0, 2, 3]].sum(0).tolist() == [5, 5, 5] and not valid[:, 1].any()

@@ -238,6 +238,7 @@ class Prefix:
     tokens: np.ndarray
     pages: list[int]          # full pages, then the partial one (if any)
     partial: bool             # whether the last of `pages` is only partly filled
+    closed: bool = False      # its last sample has been reserved
 
     @property
     def cached(self) -> int:
@@ -371,19 +372,30 @@ class Engine:
         return prefix, self.run_prefill(params, decode_state, [prefix])
 
     # ---- insert
-    def reserve_slot(self, prefix: Prefix, slot: int, sample_id: int,
-                     max_new_tokens: int) -> SlotPlan:
+    def reserve_slot(self, prefix: Prefix, slot: int, sample_id: int, max_new_tokens: int,
+                     last: bool = False) -> SlotPlan:
+        """Pages for one sample of `prefix`. The prompt's last sample (`last`) takes over its
+        partly filled page instead of copying it; the prefix then takes no more samples."""
         if self.slot_pages[slot] is not None:
             raise ValueError(f"slot {slot} is in use; free it first")
+        if prefix.closed:
+            raise ValueError("this prefix already gave its partial page to its last sample")
         T = len(prefix.tokens)
         self.check_fits(T, max_new_tokens)
-        own = self.pool.alloc(self.sample_pages(T, max_new_tokens))
-        self.pool.share(prefix.full_pages)
-        pages = prefix.full_pages + own
-        self.slot_pages[slot] = pages
-        src = prefix.pages[-1] if prefix.partial else NULL_PAGE
-        dst = own[0] if prefix.partial else NULL_PAGE
-        return SlotPlan(slot, prefix, sample_id, max_new_tokens, pages, src, dst)
+        full = prefix.full_pages
+        n_own = self.sample_pages(T, max_new_tokens)
+        self.pool.share(full)
+        src = dst = NULL_PAGE
+        if prefix.partial and last:
+            own = [prefix.pages[-1]] + self.pool.alloc(n_own - 1)   # its reference moves
+            prefix.pages, prefix.partial = full, False
+        else:
+            own = self.pool.alloc(n_own)
+            if prefix.partial:
+                src, dst = prefix.pages[-1], own[0]
+        prefix.closed = last
+        self.slot_pages[slot] = full + own
+        return SlotPlan(slot, prefix, sample_id, max_new_tokens, full + own, src, dst)
 
     def run_insert(self, state: DecodeState, plans) -> DecodeState:
         S = self.ecfg.max_slots
@@ -399,11 +411,12 @@ class Engine:
                             num_layers=self.cfg.n_layers)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slots, *, sample_ids=None,
-               max_new_tokens: int) -> DecodeState:
-        """Places one prefill into one or many slots (they share its full pages)."""
+               max_new_tokens: int, last: bool = False) -> DecodeState:
+        """Places one prefill into one or many slots (they share its full pages). `last`: no
+        more samples of this prefix follow, so the final slot keeps its partial page."""
         sample_ids = list(range(len(slots))) if sample_ids is None else list(sample_ids)
-        plans = [self.reserve_slot(prefix, s, u, max_new_tokens)
-                 for s, u in zip(slots, sample_ids)]
+        plans = [self.reserve_slot(prefix, s, u, max_new_tokens, last=last and i == len(slots) - 1)
+                 for i, (s, u) in enumerate(zip(slots, sample_ids))]
         return self.run_insert(decode_state, plans)
 
     def release(self, prefix: Prefix) -> None:

@@ -67,7 +67,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     The pool holds `pool_tokens` tokens, or `pool_fraction` of free device memory, or by
     default enough for all prompts plus `max_slots` samples. `stats`, when a dict, is filled
     with timings and counts (prefill_s, decode_s, decode_steps, new_tokens, kv_token_steps,
-    peak_pages, prompt_pages, pages_unshared, ...) and blocks on the prefill to time it.
+    peak_pages, pages_allocated, pages_unshared, ...) and blocks on the prefill to time it.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -126,7 +126,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                 st["prefill_tokens"] += T - 1
             slot = free_slots.popleft()
             g = next_sample[p]
-            plans.append(engine.reserve_slot(open_prefix[p], slot, p * G + g, max_new_tokens))
+            plans.append(engine.reserve_slot(open_prefix[p], slot, p * G + g, max_new_tokens,
+                                             last=g == G - 1))
             owner[slot], out_tokens[slot], out_logps[slot] = (p, g), [], []
             next_sample[p] += 1
             if next_sample[p] == G:
@@ -181,12 +182,10 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     if not engine.pool.all_free():
         raise RuntimeError(f"{engine.pool.num_used} pages still in use after the batch")
     if stats is not None:
-        ps = page_size
-        sample_own = sum(G * engine.sample_pages(len(p), max_new_tokens) for p in prompts)
         stats.update(dict(st), prefill_s=t_prefill, decode_s=t_decode, num_pages=ecfg.num_pages,
                      slots=S, attention_impl=engine.ecfg.attention_impl,
-                     pages_reserved_shared=st["prompt_pages"] + sample_own,
-                     pages_unshared=sum(G * pages_for(len(p) + max_new_tokens - 1, ps)
+                     pages_allocated=engine.pool.allocated_total,
+                     pages_unshared=sum(G * pages_for(len(p) + max_new_tokens - 1, page_size)
                                         for p in prompts),
                      prefill_tokens_unshared=G * st["prefill_tokens"])
     return results

@@ -38,6 +38,7 @@ class PagePool:
                              f"got num_pages={num_pages}")
         self.num_pages = int(num_pages)
         self.refcount = np.zeros(self.num_pages, np.int32)
+        self.allocated_total = 0   # pages handed out over the pool's life (for statistics)
         # Popped from the end: low ids are handed out first, which keeps runs repeatable.
         self._free = list(range(self.num_pages - 1, NULL_PAGE, -1))
 
@@ -61,6 +62,7 @@ class PagePool:
         if n > len(self._free):
             raise OutOfPages(f"asked for {n} pages, {len(self._free)} of {self.capacity} free")
         pages = [self._free.pop() for _ in range(n)]
+        self.allocated_total += n
         self.refcount[pages] = 1
         return pages
 
