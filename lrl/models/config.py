@@ -45,6 +45,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
+    # Multimodal RoPE (Qwen2-VL / Qwen2.5-VL): frequency-section sizes (summing to head_dim/2)
+    # rotated by the temporal, height and width position; empty for plain RoPE.
+    mrope_section: tuple[int, ...] = ()
     # How it runs, not what it is:
     dtype: Any = jnp.float32          # compute dtype
     param_dtype: Any = jnp.float32    # storage dtype (fp32 master weights when training)
@@ -61,6 +64,9 @@ class ModelConfig:
             raise ValueError(f"attention={self.attention!r}; choose one of {ATTENTION_KINDS}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r}; choose one of {REMAT_POLICIES}")
+        if self.mrope_section and 2 * sum(self.mrope_section) != self.head_dim:
+            raise ValueError(f"mrope_section={self.mrope_section} must sum to head_dim/2 = "
+                             f"{self.head_dim // 2}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of "
                              f"n_kv_heads={self.n_kv_heads}")

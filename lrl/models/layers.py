@@ -10,6 +10,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lrl.models.config import ModelConfig
 
@@ -49,8 +50,20 @@ def inv_frequencies(cfg: ModelConfig) -> jax.Array:
 
 
 def rope_angles(cfg: ModelConfig, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [B, T, H] in fp32 (the two halves repeated, as rotate_half expects)."""
+    """cos and sin [B, T, H] in fp32 (the two halves repeated, as rotate_half expects).
+
+    With `cfg.mrope_section` set, positions may also be [3, B, T] (temporal, height, width):
+    frequency section i takes its angle from position component i % 3, as transformers'
+    Qwen2.5-VL rotary embedding does. [B, T] positions then mean all three components equal.
+    """
     freqs_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_frequencies(cfg)
+    if positions_BT.ndim == 3:
+        if not cfg.mrope_section or positions_BT.shape[0] != 3:
+            raise ValueError(f"rope_angles: positions of shape {positions_BT.shape} need "
+                             "cfg.mrope_section and a leading axis of 3 (t, h, w)")
+        component = np.repeat(np.arange(len(cfg.mrope_section)) % 3, cfg.mrope_section)
+        freqs_BTh = jnp.where(component == 0, freqs_BTh[0],
+                              jnp.where(component == 1, freqs_BTh[1], freqs_BTh[2]))
     emb = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
