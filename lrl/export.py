@@ -37,7 +37,7 @@ from lrl import checkpoint as ckpt_lib
 from lrl import models
 from lrl.models import config as config_lib
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("lrl.export")
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Logit tolerance of the self-check: fp32 weights round-trip exactly; 16-bit ones are rounded.
@@ -238,10 +238,14 @@ def main(argv=None) -> int:
                     help="top-level entry of the state holding the parameters")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    report = export(args.checkpoint, args.output, step=args.step, dtype=args.dtype,
-                    fmt=args.format, overwrite=args.overwrite, tokenizer=args.tokenizer,
-                    verify=not args.noverify, tol=args.tol, max_shard_bytes=args.max_shard_bytes,
-                    params_key=args.params_key)
+    try:
+        report = export(args.checkpoint, args.output, step=args.step, dtype=args.dtype,
+                        fmt=args.format, overwrite=args.overwrite, tokenizer=args.tokenizer,
+                        verify=not args.noverify, tol=args.tol,
+                        max_shard_bytes=args.max_shard_bytes, params_key=args.params_key)
+    except (OSError, ValueError, RuntimeError) as e:  # bad input or a failed check: say which
+        print(f"lrl.export: error: {e}", file=sys.stderr)
+        return 1
     err = report["max_rel_err"]
     print(f"exported step {report['step']} of {report['checkpoint']} to {report['output']} "
           f"({report['dtype']}, {len(report['files'])} files"

@@ -114,7 +114,7 @@ def test_older_step_tokenizer_and_overwrite(tmp_path):
     assert rel_err(hf_logits(hf, TOKENS), np.asarray(models.forward(cfg, half, TOKENS))) < 1e-4
 
 
-def test_bad_inputs_name_the_culprit(tmp_path):
+def test_bad_inputs_name_the_culprit(tmp_path, capsys):
     _save_run("qwen3", tmp_path, with_model_config=False, steps=(1,))
     with pytest.raises(ValueError, match="no model_config"):
         export.export(str(tmp_path / "ckpt"), str(tmp_path / "o"))
@@ -123,3 +123,8 @@ def test_bad_inputs_name_the_culprit(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         export.export(str(tmp_path / "nowhere"), str(tmp_path / "o"))
     assert not (tmp_path / "o").exists()
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "x").write_text("keep me")
+    assert export.main([f"--checkpoint={tmp_path / 'ckpt'}", f"--output={tmp_path / 'o'}"]) == 1
+    assert "not empty; pass --overwrite" in capsys.readouterr().err
+    assert (tmp_path / "o" / "x").read_text() == "keep me"
