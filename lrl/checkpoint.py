@@ -10,13 +10,20 @@ Checkpoint directory layout (one directory per run, e.g. `<workdir>/checkpoints`
 
     DIR/<step>/state/         orbax PyTree (OCDBT): the train state; the model parameters
                               are its top-level `params` entry (`export` reads only those)
-    DIR/<step>/meta/          JSON {"format": 1, "step", "time", "prng_impls": {leaf path: impl}}
+    DIR/<step>/meta/          JSON {"format": 1, "step", "time", "prng_impls": {leaf path: impl},
+                              "checksums": {leaf path: [sum, weighted sum] of the raw bits}}
     DIR/<step>/data/          JSON: the data-iterator state (optional)
     DIR/<step>/config/        JSON: the experiment config (optional)
     DIR/<step>/model_config/  JSON: lrl `ModelConfig` fields (optional; `export` needs it)
     DIR/tokenizer/            HF tokenizer files, written once by `save_tokenizer` (optional)
     DIR/quarantine/           steps found unreadable on resume, moved aside, never deleted
     DIR/<step>.orbax-checkpoint-tmp-*   a save that never committed (reported, left alone)
+
+Restoring tries the newest step first. A step that fails to read (missing or truncated
+files, bad JSON, data that no longer matches its checksums) is reported with a warning naming
+it, and the previous step is tried; none readable is a `CheckpointError`. A state of another
+structure or shape than the saved one is a `StateMismatchError` at once (a caller error, not
+damage). The checksums are modular integer sums, identical for any sharding of the same values.
 
 The loop's side:
 
