@@ -63,8 +63,8 @@ def logical_axes(params) -> Any:
 def abstract_params(cfg: ModelConfig):
     model = Decoder(cfg)
     tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-    return jax.eval_shape(lambda r: model.init(r, tokens, tokens, tokens)["params"],
-                          jax.random.key(0))
+    return jax.eval_shape(lambda r, t: model.init(r, t, t, t)["params"],
+                          jax.random.key(0), tokens)
 
 
 def param_shardings(cfg: ModelConfig, mesh, shapes=None):
