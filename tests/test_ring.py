@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from lrl.mesh import make_mesh
-from lrl.models import flash, ring
+from lrl.models import flash, flash_cudnn, ring
 
 
 def reference(q, k, v, q_seg, kv_seg, q_idx, kv_idx):
@@ -139,7 +139,7 @@ def test_dense_attention_xla_and_segment_runs():
     o = jax.jit(lambda q, k, v: flash.dense_attention(q, k, v, seg, implementation="xla",
                                                       q_chunk=8, kv_chunk=8))(q, k, v)
     assert rel_err(o, causal_reference(q, k, v, seg)) < 1e-5
-    offsets, lengths, count = flash.segment_runs(jnp.asarray([[1, 1, 2, 2, 2, 0, 0]]), 4)
+    offsets, lengths, count = flash_cudnn.segment_runs(jnp.asarray([[1, 1, 2, 2, 2, 0, 0]]), 4)
     np.testing.assert_array_equal(offsets, [[0, 2, 5, -1, -1]])
     np.testing.assert_array_equal(lengths, [[2, 3, 2, -1]])
     np.testing.assert_array_equal(count, [3])
@@ -150,7 +150,7 @@ def test_dense_attention_xla_and_segment_runs():
 
 # ----------------------------------------------------------------------------- ring
 
-def ring_vs_dense(n, layout, N, K, segmented=True, B=2, T=48, H=8, seed=0):
+def ring_vs_dense(n, layout, N, K, segmented=True, B=2, T=48, H=8, seed=0, implementation=None):
     rng = np.random.default_rng(seed)
     q, k, v = qkv(rng, B, T, N, K, H)
     seg = packed_segments(rng, B, T, 4) if segmented else jnp.zeros((B, T), jnp.int32)
@@ -162,7 +162,8 @@ def ring_vs_dense(n, layout, N, K, segmented=True, B=2, T=48, H=8, seed=0):
     def ours(q, k, v):  # natural order in and out; the layout is applied around the ring
         o = ring.ring_attention(q[:, perm], k[:, perm], v[:, perm],
                                 seg[:, perm] if segmented else None, mesh=mesh,
-                                layout=layout, q_chunk=4, kv_chunk=5)
+                                layout=layout, implementation=implementation, q_chunk=4,
+                                kv_chunk=5)
         return o[:, inv]
 
     def with_grads(fn):
@@ -216,3 +217,139 @@ def test_ring_temp_memory_falls_with_shards():
         temp[n] = compiled.memory_analysis().temp_size_in_bytes
     assert temp[2] > temp[4] > temp[8], temp
     assert temp[8] < 0.4 * temp[2], temp
+
+
+# ----------------------------------------------------------------------------- cuDNN plumbing
+
+def fake_cudnn(monkeypatch):
+    """cuDNN's padding-mask semantics emulated on XLA, with junk where cuDNN leaves values
+    undefined (rows beyond q_len, keys beyond kv_len): checks everything around the kernel.
+    Returns the list of (direction, causal, padded) calls made while tracing."""
+    calls = []
+    def masks(q, k, causal, q_len, kv_len):
+        B, T, S = q.shape[0], q.shape[1], k.shape[1]
+        rows, cols = jnp.arange(T)[None], jnp.arange(S)[None]
+        q_seg = None if q_len is None else jnp.where(rows < q_len[:, None], 0, -1)
+        kv_seg = None if kv_len is None else jnp.where(cols < kv_len[:, None], 0, -2)
+        idx = (rows, cols) if causal else (None, None)
+        return flash._as_masks(B, T, S, q_seg, kv_seg, *idx), rows, cols
+
+    def fwd(q, k, v, *, causal, scale, q_len=None, kv_len=None):
+        calls.append(("fwd", causal, q_len is not None))
+        m, rows, _ = masks(q, k, causal, q_len, kv_len)
+        o, lse = flash._flash_fwd(q, k, v, m, scale, 8, 8)
+        if q_len is not None:
+            ok = rows < q_len[:, None]
+            o, lse = jnp.where(ok[:, :, None, None], o, 123.0), jnp.where(ok[:, None], lse, 7.0)
+        return o.astype(q.dtype), lse
+
+    def bwd(q, k, v, o, lse, do, *, causal, scale, q_len=None, kv_len=None):
+        calls.append(("bwd", causal, q_len is not None))
+        m, rows, cols = masks(q, k, causal, q_len, kv_len)
+        dq, dk, dv = flash._flash_bwd(q, k, v, o, lse, do, m, scale, 8, 8)
+        if q_len is not None:
+            dq = jnp.where((rows < q_len[:, None])[:, :, None, None], dq, 5.0)
+            key_ok = (cols < kv_len[:, None])[:, :, None, None]
+            dk, dv = jnp.where(key_ok, dk, 5.0), jnp.where(key_ok, dv, 5.0)
+        return dq, dk, dv
+
+    monkeypatch.setattr(flash.fc, "unavailable_reason", lambda *a, **k: None)
+    monkeypatch.setattr(flash.fc, "fwd", fwd)
+    monkeypatch.setattr(flash.fc, "bwd", bwd)
+    return calls
+
+
+def test_ring_cudnn_plumbing_with_emulated_kernel(monkeypatch):
+    """Segmented off-diagonal blocks go to cuDNN as a rectangle (rotated keys, padding
+    lengths); diagonal segmented blocks stay on XLA. Emulated here, exact in fp32."""
+    calls = fake_cudnn(monkeypatch)
+    ring_vs_dense(4, "zigzag", N=4, K=2, implementation="cudnn", seed=7)
+    assert {("fwd", False, True), ("bwd", False, True)} == set(calls)
+
+
+def test_cudnn_backward_binding_matches_jax_own_vjp(monkeypatch):
+    """Our direct bind of cuDNN's backward primitive has the operands and parameters that
+    jax's own VJP uses (traced only, so it runs on CPU; catches jax version drift)."""
+    cud = flash.fc._cudnn
+    if cud is None or flash.fc._CUDNN_BWD is None:
+        pytest.skip("no cuDNN attention module in this jax")
+    monkeypatch.setattr(cud, "check_cudnn_version", lambda: 90800)
+    q = jnp.zeros((1, 256, 8, 128), jnp.bfloat16)
+    k = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+
+    def theirs(q, k, v, do):
+        f = lambda q, k, v: cud.dot_product_attention(
+            q, k, v, scale=0.1, mask_type=cud.MaskType.CAUSAL, qkv_layout="BTNH")
+        return jax.vjp(f, q, k, v)[1](do)
+
+    def ours(q, k, v, do):
+        o, lse = flash.fc.fwd(q, k, v, causal=True, scale=0.1)
+        return flash.fc.bwd(q, k, v, o, lse, do, causal=True, scale=0.1)
+
+    def bwd_eqns(fn):
+        found = []
+
+        def walk(jaxpr):
+            for e in jaxpr.eqns:
+                if "bwd_wrapper" in str(e.primitive):
+                    found.append(([str(x.aval) for x in e.invars], e.params))
+                for p in e.params.values():
+                    inner = getattr(p, "jaxpr", None)
+                    if inner is not None:
+                        walk(getattr(inner, "jaxpr", inner))
+        try:
+            walk(jax.make_jaxpr(fn)(q, k, k, q).jaxpr)
+        except Exception as e:  # this jax cannot trace cuDNN attention off GPU
+            pytest.skip(f"cannot trace cuDNN attention here: {e}")
+        return found
+    assert bwd_eqns(ours) == bwd_eqns(theirs) != []
+
+
+# ----------------------------------------------------------------------------- GPU only
+
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu",
+                            reason="cuDNN paths: run with JAX_PLATFORMS=cuda on a GPU")
+
+
+@on_gpu
+def test_gpu_cudnn_blocks_ring_and_dense_match_xla():
+    """bf16 cuDNN against the XLA kernel (fp32 inputs of the same values)."""
+    rng = np.random.default_rng(3)
+    B, T, N, K, H = 2, 512, 8, 2, 128
+    q, k, v = (x.astype(jnp.bfloat16) for x in qkv(rng, B, T, N, K, H))
+    do = jnp.asarray(rng.normal(size=q.shape), jnp.bfloat16)
+    seg = packed_segments(rng, B, T, 5)
+    up = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)
+    assert flash.fc.unavailable_reason(q, k, need_bwd=True) is None
+
+    def close(a, b, tol):
+        assert rel_err(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)) < tol
+
+    c = T // 2  # a "full" block with segments: queries = second half, keys = first half
+    args = (q[:, c:], k[:, :c], v[:, :c])
+    kw = dict(mask_kind="full", q_segment_ids=seg[:, c:], kv_segment_ids=seg[:, :c])
+    for kind_kw in (dict(mask_kind="causal"), kw):
+        a3 = args if kind_kw is kw else (q, k, v)
+        o_c, l_c = flash.block_attention(*a3, implementation="cudnn", **kind_kw)
+        o_x, l_x = flash.block_attention(*up(*a3), implementation="xla", **kind_kw)
+        close(o_c, o_x, 2e-2)
+        fin = jnp.isfinite(l_x)
+        np.testing.assert_array_equal(jnp.isfinite(l_c), fin)
+        close(jnp.where(fin, l_c, 0), jnp.where(fin, l_x, 0), 1e-2)
+        d = do[:, c:] if kind_kw is kw else do
+        g_c = flash.block_attention_bwd(*a3, o_x.astype(jnp.bfloat16), l_x, d,
+                                        implementation="cudnn", **kind_kw)
+        g_x = flash.block_attention_bwd(*up(*a3), o_x, l_x, d.astype(jnp.float32),
+                                        implementation="xla", **kind_kw)
+        for gc, gx in zip(g_c, g_x):
+            close(gc, gx, 5e-2)
+
+    mesh = make_mesh({"seq": 1}, devices=jax.devices()[:1])
+    for fn in (lambda q, k, v, impl: ring.ring_attention(q, k, v, None, mesh=mesh,
+                                                         implementation=impl),
+               lambda q, k, v, impl: flash.dense_attention(q, k, v, seg, implementation=impl)):
+        o_c, vjp_c = jax.vjp(lambda q, k, v: fn(q, k, v, "cudnn"), q, k, v)
+        o_x, vjp_x = jax.vjp(lambda q, k, v: fn(q, k, v, "xla"), *up(q, k, v))
+        close(o_c, o_x, 2e-2)
+        for gc, gx in zip(vjp_c(do), vjp_x(do.astype(jnp.float32))):
+            close(gc, gx, 5e-2)

@@ -60,7 +60,7 @@ def measure(args, T):
     from jax.sharding import NamedSharding
 
     from lrl.mesh import make_mesh
-    from lrl.models import flash, ring
+    from lrl.models import flash_cudnn, ring
 
     B, N, K, H = 1, args.heads, args.kv_heads, args.head_dim
     dtype = jnp.dtype(args.dtype)
@@ -80,7 +80,7 @@ def measure(args, T):
     dense_impl = "cudnn" if on_gpu else None
     dense_fn = fwd_bwd(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation=dense_impl))
-    why = flash.cudnn_unavailable_reason(q, k, need_bwd=True)
+    why = flash_cudnn.unavailable_reason(q, k, need_bwd=True)
     ring_kernel = args.impl or ("cudnn" if why is None else f"xla ({why})")
     fwd, bwd = causal_flops(B, N, T, H)
     rows = []

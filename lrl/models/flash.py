@@ -13,8 +13,8 @@ so the largest score tensor is [B, K, G, Cq, Ck]; chunk pairs that the mask hide
 are skipped. Accumulation is in float32. Rows that see no key give o = 0, lse = -inf, and
 zero gradients, never NaN.
 
-cuDNN (GPU, bf16/fp16) comes from jax's private `jax._src.cudnn.fused_attention_stablehlo`,
-imported in this file only and guarded: when it is missing or the shapes do not suit it,
+cuDNN (GPU, bf16/fp16) comes through `lrl.models.flash_cudnn`, the one module that touches
+jax's private cuDNN attention; when it is missing or the shapes do not suit it,
 `implementation=None` falls back to XLA.
 
 B batch · T query positions · S key/value positions · N query heads · K kv heads · H head dim ·
@@ -23,17 +23,13 @@ G query heads per kv head · C chunk · M segments per row.
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-try:  # private jax module: keep every use of it in this file
-    from jax._src.cudnn import fused_attention_stablehlo as _cudnn
-except Exception:  # pragma: no cover - depends on the jax build
-    _cudnn = None
+from lrl.models import flash_cudnn as fc
 
 _PAD_Q_INDEX = -1                      # a padded query row sees nothing
 _PAD_KV_INDEX = np.iinfo(np.int32).max  # a padded key is seen by nothing
@@ -249,71 +245,59 @@ def attention_with_lse(q_BTNH, k_BSKH, v_BSKH, *, q_segment_ids_BT, kv_segment_i
     return _flash(q_BTNH, k_BSKH, v_BSKH, masks, scale, int(q_chunk), int(kv_chunk))
 
 
-# ----------------------------------------------------------------------------- cuDNN path
+# ----------------------------------------------------------------------------- choice of kernel
 
-def _cudnn_bwd_binder():
-    """Binds cuDNN's backward primitive by parameter name, so the call survives the
-    argument lists of different jax versions; None when this jax has no such primitive."""
-    try:
-        impl = _cudnn._dot_product_attention_bwd_impl
-        wrapper = _cudnn._dot_product_attention_bwd_p_wrapper
-        names = list(inspect.signature(impl).parameters)
-        split = names.index("grad_output") + 1
-    except Exception:
-        return None
-    known_operands = {"query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets",
-                      "kv_offsets", "page_table_k", "page_table_v", "activation",
-                      "fwd_output", "grad_output"}
-    known_params = {"scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout",
-                    "sliding_window_length"}
-    if not (set(names[:split]) <= known_operands and set(names[split:]) <= known_params):
-        return None
-
-    def bwd(q, k, v, o, lse, do, *, causal, scale):
-        empty = jnp.zeros(0, q.dtype)
-        operands = dict(query=q, key=k, value=v, activation=lse, fwd_output=o, grad_output=do)
-        mask = _cudnn.MaskType.CAUSAL if causal else _cudnn.MaskType.NO_MASK
-        params = dict(scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False),
-                      mask_type=mask, layout=_cudnn.AttentionLayout.BTNH.value,
-                      sliding_window_length=None)
-        args = [operands.get(n, empty) for n in names[:split]]
-        return wrapper.bind(*args, **{n: params[n] for n in names[split:]})[:3]
-    return bwd
-
-
-_CUDNN_BWD = None if _cudnn is None else _cudnn_bwd_binder()
-
-
-def cudnn_unavailable_reason(q, k, *, need_bwd=False) -> str | None:
-    """None when cuDNN flash attention can run these shapes here, else why not."""
-    if _cudnn is None:
-        return "this jax has no jax._src.cudnn.fused_attention_stablehlo"
-    if need_bwd and _CUDNN_BWD is None:
-        return "this jax's cuDNN backward primitive has an unknown signature"
-    if jax.default_backend() != "gpu":
-        return f"backend is {jax.default_backend()}, not gpu"
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
-        return f"cuDNN needs bf16/fp16, got q {q.dtype}, k {k.dtype}"
-    H = q.shape[-1]
-    if H % 8 or H > 128:
-        return f"head dim {H} (cuDNN here: a multiple of 8, at most 128)"
-    return None
-
-
-def _pick(implementation, q, k, *, need_bwd, segmented, where):
+def _pick(implementation, q, k, *, need_bwd, where, xla_only=False):
+    """"xla" or "cudnn". Forcing "cudnn" where it cannot run here (backend, dtype, head dim)
+    is an error; a mask cuDNN cannot express (`xla_only`) quietly takes the XLA path."""
     if implementation not in (None, "xla", "cudnn"):
         raise ValueError(f"{where}: implementation={implementation!r}; use None, 'xla' or 'cudnn'")
     if implementation == "xla":
         return "xla"
-    why = cudnn_unavailable_reason(q, k, need_bwd=need_bwd)
-    if why is None and segmented:
-        why = "segment ids: cuDNN's packed layout is used by dense_attention only"
+    why = fc.unavailable_reason(q, k, need_bwd=need_bwd)
     if implementation == "cudnn" and why is not None:
         raise ValueError(f"{where}: cuDNN requested but unusable: {why}")
-    return "xla" if why else "cudnn"
+    return "xla" if why or xla_only else "cudnn"
 
 
 # ----------------------------------------------------------------------------- ring entries
+
+def _shared_tail(q_seg, kv_seg):
+    """For a block whose keys all precede its queries, with segments that are contiguous
+    runs: only the last key's segment can be shared, so the visible pairs are the leading
+    `a` queries x the trailing `b` keys. -> (a [B], b [B]) int32."""
+    last = kv_seg[:, -1:]
+    a = jnp.cumprod(q_seg == last, axis=1).sum(1)
+    b = jnp.cumprod((kv_seg == last)[:, ::-1], axis=1).sum(1)
+    return a.astype(jnp.int32), b.astype(jnp.int32)
+
+
+def _roll_rows(x, shift_B):
+    """Per-row left rotation along axis 1: out[:, j] = x[:, (j + shift) % S]."""
+    S = x.shape[1]
+    idx = (jnp.arange(S)[None] + shift_B[:, None]) % S
+    return jnp.take_along_axis(x, idx.reshape(*idx.shape, *(1,) * (x.ndim - 2)), axis=1)
+
+
+def _block_args(q, k, v, mask_kind, q_seg, kv_seg, where):
+    _check_qkv(q, k, v)
+    T, S = q.shape[1], k.shape[1]
+    if mask_kind not in MASK_KINDS or (mask_kind == "causal" and T != S):
+        raise ValueError(f"{where}: mask_kind={mask_kind!r} with T={T}, S={S}; choose one of "
+                         f"{MASK_KINDS} ('causal' needs T == S)")
+    segmented = q_seg is not None or kv_seg is not None
+    if segmented and (q_seg is None or kv_seg is None):
+        raise ValueError(f"{where}: give both q_segment_ids and kv_segment_ids, or neither")
+    # cuDNN has no per-segment causal mask outside its packed layout: causal+segments is XLA.
+    return segmented, segmented and mask_kind == "causal"
+
+
+def _xla_masks(q, k, mask_kind, q_seg, kv_seg):
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    causal = mask_kind == "causal"
+    return _as_masks(B, T, S, q_seg, kv_seg, jnp.arange(T) if causal else None,
+                     jnp.arange(S) if causal else None)
+
 
 def block_attention(q_BTNH, k_BSKH, v_BSKH, *, mask_kind, q_segment_ids=None,
                     kv_segment_ids=None, scale=None, implementation=None, out_dtype=None,
@@ -322,31 +306,34 @@ def block_attention(q_BTNH, k_BSKH, v_BSKH, *, mask_kind, q_segment_ids=None,
 
     mask_kind "causal": key position <= query position within the block (T == S; a ring's
     diagonal block, whose local order follows the global order); "full": every key precedes
-    every query. Both also require equal segment ids when they are given. cuDNN runs the
-    unsegmented case on GPU; segmented blocks take the XLA path.
+    every query. Both also require equal segment ids when given. On cuDNN, segments must be
+    contiguous runs (as packing makes them): a "full" block then sees only the trailing run
+    of keys x the leading run of queries of the last key's segment, which cuDNN's padding
+    mask expresses once the keys are rotated; segmented causal blocks run on XLA.
     """
-    _check_qkv(q_BTNH, k_BSKH, v_BSKH)
-    B, T, _, H = q_BTNH.shape
-    S = k_BSKH.shape[1]
-    if mask_kind not in MASK_KINDS or (mask_kind == "causal" and T != S):
-        raise ValueError(f"block_attention: mask_kind={mask_kind!r} with T={T}, S={S}; "
-                         f"choose one of {MASK_KINDS} ('causal' needs T == S)")
+    segmented, xla_only = _block_args(q_BTNH, k_BSKH, v_BSKH, mask_kind, q_segment_ids,
+                                      kv_segment_ids, "block_attention")
+    H = q_BTNH.shape[3]
     scale = float(H ** -0.5 if scale is None else scale)
     out_dtype = q_BTNH.dtype if out_dtype is None else out_dtype
-    segmented = q_segment_ids is not None or kv_segment_ids is not None
-    impl = _pick(implementation, q_BTNH, k_BSKH, need_bwd=True, segmented=segmented,
-                 where="block_attention")
-    if impl == "cudnn":
-        mask = _cudnn.MaskType.CAUSAL if mask_kind == "causal" else _cudnn.MaskType.NO_MASK
-        o, lse = _cudnn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, scale=scale,
-                                              mask_type=mask, qkv_layout="BTNH",
-                                              return_residual=True)
-        return o.astype(out_dtype), lse.astype(jnp.float32)
-    causal = mask_kind == "causal"
-    masks = _as_masks(B, T, S, q_segment_ids, kv_segment_ids,
-                      jnp.arange(T) if causal else None, jnp.arange(S) if causal else None)
-    o, lse = _flash_fwd(q_BTNH, k_BSKH, v_BSKH, masks, scale, q_chunk, kv_chunk)
-    return o.astype(out_dtype), lse
+    impl = _pick(implementation, q_BTNH, k_BSKH, need_bwd=True, where="block_attention",
+                 xla_only=xla_only)
+    if impl == "xla":
+        masks = _xla_masks(q_BTNH, k_BSKH, mask_kind, q_segment_ids, kv_segment_ids)
+        o, lse = _flash_fwd(q_BTNH, k_BSKH, v_BSKH, masks, scale, q_chunk, kv_chunk)
+        return o.astype(out_dtype), lse
+    if not segmented:
+        o, lse = fc.fwd(q_BTNH, k_BSKH, v_BSKH, causal=mask_kind == "causal", scale=scale)
+        return o.astype(out_dtype), lse
+    a, b = _shared_tail(q_segment_ids, kv_segment_ids)
+    shift = k_BSKH.shape[1] - b
+    # an empty rectangle still gets one (masked-out) pair: cuDNN is not asked for length 0
+    o, lse = fc.fwd(q_BTNH, _roll_rows(k_BSKH, shift), _roll_rows(v_BSKH, shift),
+                        causal=False, scale=scale, q_len=jnp.maximum(a, 1),
+                        kv_len=jnp.maximum(b, 1))
+    seen_BT = (jnp.arange(q_BTNH.shape[1])[None] < a[:, None]) & (b[:, None] > 0)
+    o = jnp.where(seen_BT[:, :, None, None], o, 0).astype(out_dtype)
+    return o, jnp.where(seen_BT[:, None, :], lse, -jnp.inf)
 
 
 def block_attention_bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BNT, do_BTNH, *, mask_kind,
@@ -354,43 +341,37 @@ def block_attention_bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BNT, do_BTNH, *, mas
                         implementation=None, q_chunk=512, kv_chunk=512):
     """The ring's block backward -> (dq, dk, dv) float32, given the whole attention's output
     `o_BTNH` and log-sum-exp `lse_BNT` (not the block's own) and the output cotangent."""
-    _check_qkv(q_BTNH, k_BSKH, v_BSKH)
-    B, T, _, H = q_BTNH.shape
-    S = k_BSKH.shape[1]
-    if mask_kind not in MASK_KINDS or (mask_kind == "causal" and T != S):
-        raise ValueError(f"block_attention_bwd: mask_kind={mask_kind!r} with T={T}, S={S}")
+    segmented, xla_only = _block_args(q_BTNH, k_BSKH, v_BSKH, mask_kind, q_segment_ids,
+                                      kv_segment_ids, "block_attention_bwd")
+    H = q_BTNH.shape[3]
     scale = float(H ** -0.5 if scale is None else scale)
-    segmented = q_segment_ids is not None or kv_segment_ids is not None
-    impl = _pick(implementation, q_BTNH, k_BSKH, need_bwd=True, segmented=segmented,
-                 where="block_attention_bwd")
-    if impl == "cudnn":
-        dt = q_BTNH.dtype
-        grads = _CUDNN_BWD(q_BTNH, k_BSKH, v_BSKH, o_BTNH.astype(dt), lse_BNT.astype(jnp.float32),
-                           do_BTNH.astype(dt), causal=mask_kind == "causal", scale=scale)
-        return tuple(g.astype(jnp.float32) for g in grads)
-    causal = mask_kind == "causal"
-    masks = _as_masks(B, T, S, q_segment_ids, kv_segment_ids,
-                      jnp.arange(T) if causal else None, jnp.arange(S) if causal else None)
-    return _flash_bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BNT, do_BTNH, masks, scale,
-                      q_chunk, kv_chunk)
+    impl = _pick(implementation, q_BTNH, k_BSKH, need_bwd=True, where="block_attention_bwd",
+                 xla_only=xla_only)
+    if impl == "xla":
+        masks = _xla_masks(q_BTNH, k_BSKH, mask_kind, q_segment_ids, kv_segment_ids)
+        return _flash_bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BNT, do_BTNH, masks, scale,
+                          q_chunk, kv_chunk)
+    f32 = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)
+    if not segmented:
+        return f32(*fc.bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BNT, do_BTNH,
+                               causal=mask_kind == "causal", scale=scale))
+    T, S = q_BTNH.shape[1], k_BSKH.shape[1]
+    a, b = _shared_tail(q_segment_ids, kv_segment_ids)
+    shift = S - b
+    seen_BT = (jnp.arange(T)[None] < a[:, None]) & (b[:, None] > 0)
+    # zero cotangent outside the rectangle: whatever cuDNN does there contributes nothing
+    do = jnp.where(seen_BT[:, :, None, None], do_BTNH, 0)
+    lse = jnp.where(jnp.isfinite(lse_BNT), lse_BNT, 0.0)
+    dq, dk, dv = f32(*fc.bwd(q_BTNH, _roll_rows(k_BSKH, shift), _roll_rows(v_BSKH, shift),
+                                 o_BTNH, lse, do, causal=False, scale=scale,
+                                 q_len=jnp.maximum(a, 1), kv_len=jnp.maximum(b, 1)))
+    key_seen = (jnp.arange(S)[None] < b[:, None]) & (a[:, None] > 0)
+    dk, dv = (jnp.where(key_seen[:, :, None, None], g, 0) for g in (dk, dv))
+    return (jnp.where(seen_BT[:, :, None, None], dq, 0),
+            _roll_rows(dk, -shift), _roll_rows(dv, -shift))
 
 
 # ----------------------------------------------------------------------------- dense entry
-
-def segment_runs(segment_ids_BT, max_segments):
-    """Contiguous runs of equal ids -> (offsets [B, M+1], lengths [B, M], count [B]) in the
-    form of cuDNN's packed layout (unused slots -1). Ids must form one run per segment."""
-    B, T = segment_ids_BT.shape
-    seg = segment_ids_BT.astype(jnp.int32)
-    start_BT = jnp.concatenate([jnp.ones((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-    count_B = start_BT.sum(1).astype(jnp.int32)
-    starts = jax.vmap(lambda s: jnp.nonzero(s, size=max_segments + 1, fill_value=T)[0])(start_BT)
-    starts = starts.astype(jnp.int32)
-    slot = jnp.arange(max_segments + 1)[None]
-    offsets = jnp.where(slot < count_B[:, None], starts, -1)
-    lengths = jnp.where(slot[:, :-1] < count_B[:, None], starts[:, 1:] - starts[:, :-1], -1)
-    return offsets, lengths.astype(jnp.int32), count_B
-
 
 def dense_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, implementation=None,
                     scale=None, max_segments=64, q_chunk=512, kv_chunk=512):
@@ -405,23 +386,10 @@ def dense_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, implementation=No
     if k_BSKH.shape[1] != T:
         raise ValueError(f"dense_attention: q has T={T}, k has S={k_BSKH.shape[1]}")
     scale = float(H ** -0.5 if scale is None else scale)
-    impl = _pick(implementation, q_BTNH, k_BSKH, need_bwd=False, segmented=False,
-                 where="dense_attention")
+    impl = _pick(implementation, q_BTNH, k_BSKH, need_bwd=False, where="dense_attention")
     if impl == "cudnn":
-        if segment_ids_BT is None:
-            return _cudnn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, scale=scale,
-                                                mask_type=_cudnn.MaskType.CAUSAL,
-                                                qkv_layout="BTNH")
-        if max_segments < 2:
-            raise ValueError(f"dense_attention: max_segments={max_segments}; cuDNN's packed "
-                             "layout needs at least 2")
-        offsets, lengths, count_B = segment_runs(segment_ids_BT, max_segments)
-        o = _cudnn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, None, None, lengths, lengths,
-                                         offsets, offsets, scale=scale,
-                                         mask_type=_cudnn.MaskType.PADDING_CAUSAL,
-                                         qkv_layout="BTNH")
-        too_many = (count_B > max_segments)[:, None, None, None]
-        return jnp.where(too_many, jnp.nan, o).astype(q_BTNH.dtype)
+        return fc.dense_causal(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, scale=scale,
+                               max_segments=max_segments)
     index = jnp.arange(T)
     masks = _as_masks(B, T, T, segment_ids_BT, segment_ids_BT, index, index)
     return _flash(q_BTNH, k_BSKH, v_BSKH, masks, scale, int(q_chunk), int(kv_chunk))[0]

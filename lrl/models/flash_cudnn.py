@@ -1,0 +1,126 @@
+"""The one place that touches jax's private cuDNN attention
+(`jax._src.cudnn.fused_attention_stablehlo`): forward with log-sum-exp, the backward
+primitive bound directly (so a ring can hand it the *global* output and log-sum-exp), and
+packed-segment dense attention. The import is guarded; `unavailable_reason` says why cuDNN
+cannot run, and callers (lrl.models.flash) then take the XLA path.
+
+B batch · T query positions · S key/value positions · N query heads · K kv heads · H head dim ·
+M segments per row.
+"""
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+
+try:
+    from jax._src.cudnn import fused_attention_stablehlo as _cudnn
+except Exception:  # pragma: no cover - depends on the jax build
+    _cudnn = None
+
+
+def _cudnn_bwd_binder():
+    """Binds cuDNN's backward primitive by parameter name, so the call survives the
+    argument lists of different jax versions; None when this jax has no such primitive."""
+    try:
+        impl = _cudnn._dot_product_attention_bwd_impl
+        wrapper = _cudnn._dot_product_attention_bwd_p_wrapper
+        names = list(inspect.signature(impl).parameters)
+        split = names.index("grad_output") + 1
+    except Exception:
+        return None
+    known_operands = {"query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets",
+                      "kv_offsets", "page_table_k", "page_table_v", "activation",
+                      "fwd_output", "grad_output"}
+    known_params = {"scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout",
+                    "sliding_window_length"}
+    if not (set(names[:split]) <= known_operands and set(names[split:]) <= known_params):
+        return None
+
+    def bind_bwd(q, k, v, o, lse, do, *, mask_type, scale, q_len=None, kv_len=None):
+        empty = jnp.zeros(0, q.dtype)
+        operands = dict(query=q, key=k, value=v, activation=lse, fwd_output=o, grad_output=do,
+                        q_seqlen=q_len, kv_seqlen=kv_len)
+        params = dict(scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False),
+                      mask_type=mask_type, layout=_cudnn.AttentionLayout.BTNH.value,
+                      sliding_window_length=None)
+        args = [empty if operands.get(n) is None else operands[n] for n in names[:split]]
+        return wrapper.bind(*args, **{n: params[n] for n in names[split:]})[:3]
+    return bind_bwd
+
+
+_CUDNN_BWD = None if _cudnn is None else _cudnn_bwd_binder()
+
+
+def _mask_type(causal, padded):
+    M = _cudnn.MaskType
+    return ((M.PADDING_CAUSAL if causal else M.PADDING) if padded
+            else (M.CAUSAL if causal else M.NO_MASK))
+
+
+def fwd(q, k, v, *, causal, scale, q_len=None, kv_len=None):
+    """cuDNN flash attention -> (o, lse [B,N,T] f32); q_len / kv_len [B] mask the rows and
+    keys beyond them (cuDNN's padding mask: what it leaves there is undefined)."""
+    o, lse = _cudnn.dot_product_attention(
+        q, k, v, None, None, q_len, kv_len, scale=scale,
+        mask_type=_mask_type(causal, q_len is not None), qkv_layout="BTNH",
+        return_residual=True)
+    return o, lse.astype(jnp.float32)
+
+
+def bwd(q, k, v, o, lse, do, *, causal, scale, q_len=None, kv_len=None):
+    """cuDNN's backward given any (o, lse): a ring passes the merged ones -> (dq, dk, dv)."""
+    dt = q.dtype
+    return _CUDNN_BWD(q, k, v, o.astype(dt), lse.astype(jnp.float32), do.astype(dt),
+                      mask_type=_mask_type(causal, q_len is not None), scale=scale,
+                      q_len=q_len, kv_len=kv_len)
+
+
+def unavailable_reason(q, k, *, need_bwd=False) -> str | None:
+    """None when cuDNN flash attention can run these shapes here, else why not."""
+    if _cudnn is None:
+        return "this jax has no jax._src.cudnn.fused_attention_stablehlo"
+    if need_bwd and _CUDNN_BWD is None:
+        return "this jax's cuDNN backward primitive has an unknown signature"
+    if jax.default_backend() != "gpu":
+        return f"backend is {jax.default_backend()}, not gpu"
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
+        return f"cuDNN needs bf16/fp16, got q {q.dtype}, k {k.dtype}"
+    H = q.shape[-1]
+    if H % 8 or H > 128:
+        return f"head dim {H} (cuDNN here: a multiple of 8, at most 128)"
+    return None
+
+
+def segment_runs(segment_ids_BT, max_segments):
+    """Contiguous runs of equal ids -> (offsets [B, M+1], lengths [B, M], count [B]) in the
+    form of cuDNN's packed layout (unused slots -1). Ids must form one run per segment."""
+    B, T = segment_ids_BT.shape
+    seg = segment_ids_BT.astype(jnp.int32)
+    start_BT = jnp.concatenate([jnp.ones((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    count_B = start_BT.sum(1).astype(jnp.int32)
+    starts = jax.vmap(lambda s: jnp.nonzero(s, size=max_segments + 1, fill_value=T)[0])(start_BT)
+    starts = starts.astype(jnp.int32)
+    slot = jnp.arange(max_segments + 1)[None]
+    offsets = jnp.where(slot < count_B[:, None], starts, -1)
+    lengths = jnp.where(slot[:, :-1] < count_B[:, None], starts[:, 1:] - starts[:, :-1], -1)
+    return offsets, lengths.astype(jnp.int32), count_B
+
+
+def dense_causal(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, scale, max_segments):
+    """Causal attention within segments through jax's own cuDNN call (its VJP included).
+    With segment ids: cuDNN's packed layout (Hopper or newer, cuDNN >= 9.6), at most
+    `max_segments` runs per row; a row with more gives NaN rather than a wrong answer."""
+    if segment_ids_BT is None:
+        return _cudnn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, scale=scale,
+                                            mask_type=_cudnn.MaskType.CAUSAL, qkv_layout="BTNH")
+    if max_segments < 2:
+        raise ValueError(f"dense_attention: max_segments={max_segments}; cuDNN's packed layout "
+                         "needs at least 2")
+    offsets, lengths, count_B = segment_runs(segment_ids_BT, max_segments)
+    o = _cudnn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, None, None, lengths, lengths,
+                                     offsets, offsets, scale=scale,
+                                     mask_type=_cudnn.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
+    too_many = (count_B > max_segments)[:, None, None, None]
+    return jnp.where(too_many, jnp.nan, o).astype(q_BTNH.dtype)
