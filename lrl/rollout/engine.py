@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import NamedTuple, Optional
 
 import jax
@@ -230,6 +231,14 @@ def deactivate(state: DecodeState, slot_mask_S):
                           page_table=jnp.where(slot_mask_S[:, None], NULL_PAGE, state.page_table))
 
 
+def _zero_state(cfg, ecfg) -> DecodeState:
+    S, M = ecfg.max_slots, ecfg.pages_per_slot
+    pool = (cfg.n_kv_heads, cfg.n_layers * ecfg.num_pages, ecfg.page_size, cfg.head_dim)
+    i32 = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    return DecodeState(jnp.zeros(pool, cfg.dtype), jnp.zeros(pool, cfg.dtype), i32(S, M), i32(S),
+                       i32(S), jnp.zeros(S, bool), i32(S), i32(S), i32(S))
+
+
 # ----------------------------------------------------------------------------- host side
 
 @dataclasses.dataclass
@@ -239,6 +248,11 @@ class Prefix:
     pages: list[int]          # full pages, then the partial one (if any)
     partial: bool             # whether the last of `pages` is only partly filled
     closed: bool = False      # its last sample has been reserved
+    holds: list[int] = None   # pages this prefix still holds a reference to
+
+    def __post_init__(self):
+        if self.holds is None:
+            self.holds = list(self.pages)
 
     @property
     def cached(self) -> int:
@@ -270,6 +284,8 @@ class Engine:
         self.mesh = mesh
         self.pool = PagePool(ecfg.num_pages)
         self.slot_pages: list[Optional[list[int]]] = [None] * ecfg.max_slots
+        self._pallas_ok = False
+        self.fallback: Optional[str] = None
 
     # ---- sizes
     def prefix_pages(self, prompt_len: int) -> int:
@@ -295,22 +311,18 @@ class Engine:
 
     # ---- state
     def init_decode_state(self) -> DecodeState:
-        c, e = self.cfg, self.ecfg
-        S, M = e.max_slots, e.pages_per_slot
-        pool_shape = (c.n_kv_heads, c.n_layers * e.num_pages, e.page_size, c.head_dim)
-        z = lambda shape, dt: jnp.zeros(shape, dt)  # noqa: E731
-        state = DecodeState(z(pool_shape, c.dtype), z(pool_shape, c.dtype), z((S, M), jnp.int32),
-                            z((S,), jnp.int32), z((S,), jnp.int32), z((S,), bool),
-                            z((S,), jnp.int32), z((S,), jnp.int32), z((S,), jnp.int32))
-        if self.mesh is None:   # committed, so later calls see the same argument shardings
-            return jax.device_put(state, jax.local_devices()[0])
-        tensor = self.mesh.shape["tensor"]
-        kv_spec = PartitionSpec("tensor" if c.n_kv_heads % tensor == 0 and tensor > 1 else None)
-        shard = lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec))  # noqa: E731
-        return state._replace(k_pages=shard(state.k_pages, kv_spec),
-                              v_pages=shard(state.v_pages, kv_spec),
-                              **{f: shard(getattr(state, f), PartitionSpec())
-                                 for f in DecodeState._fields[2:]})
+        """Zeros, created in place: on one device (committed), or with the pool split over kv
+        heads on the mesh's `tensor` axis and the slot arrays replicated."""
+        if self.mesh is None:
+            shardings = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        else:
+            tensor = self.mesh.shape["tensor"]
+            split = tensor > 1 and self.cfg.n_kv_heads % tensor == 0
+            kv = NamedSharding(self.mesh, PartitionSpec("tensor" if split else None))
+            rep = NamedSharding(self.mesh, PartitionSpec())
+            shardings = DecodeState(kv, kv, *[rep] * (len(DecodeState._fields) - 2))
+        make = jax.jit(_zero_state, static_argnums=(0, 1), out_shardings=shardings)
+        return make(self.cfg, self.ecfg)
 
     # ---- prefill
     def reserve_prefix(self, tokens) -> Prefix:
@@ -388,7 +400,7 @@ class Engine:
         src = dst = NULL_PAGE
         if prefix.partial and last:
             own = [prefix.pages[-1]] + self.pool.alloc(n_own - 1)   # its reference moves
-            prefix.pages, prefix.partial = full, False
+            prefix.holds = [p for p in prefix.holds if p != prefix.pages[-1]]
         else:
             own = self.pool.alloc(n_own)
             if prefix.partial:
@@ -421,12 +433,27 @@ class Engine:
 
     def release(self, prefix: Prefix) -> None:
         """Drops the prefix's own hold on its pages (after its last insert has run)."""
-        self.pool.release(prefix.pages)
-        prefix.pages = []
+        self.pool.release(prefix.holds)
+        prefix.holds = []
 
     # ---- generate / free
     def generate(self, params, decode_state: DecodeState, rng, num_steps: int = 1):
-        """-> (decode_state, StepOutput [num_steps, S]) for every live slot."""
+        """-> (decode_state, StepOutput [num_steps, S]) for every live slot.
+
+        If the Pallas kernel fails to lower (an unsupported shape or jax version), the engine
+        warns once and continues with the XLA path; `self.fallback` says why."""
+        if self.ecfg.attention_impl != "pallas" or self._pallas_ok:
+            return decode_steps(self.cfg, self.ecfg, params, decode_state, rng,
+                                num_steps=num_steps)
+        try:   # lowering errors surface before dispatch, so the donated state is intact
+            decode_steps.lower(self.cfg, self.ecfg, params, decode_state, rng,
+                               num_steps=num_steps).compile()
+            self._pallas_ok = True
+        except Exception as e:  # noqa: BLE001
+            self.fallback = f"{type(e).__name__}: {e}"[:500]
+            warnings.warn(f"Pallas paged attention failed to compile, using the XLA path: "
+                          f"{self.fallback}")
+            self.ecfg = dataclasses.replace(self.ecfg, attention_impl="xla")
         return decode_steps(self.cfg, self.ecfg, params, decode_state, rng, num_steps=num_steps)
 
     def free(self, decode_state: DecodeState, slots) -> DecodeState:

@@ -184,6 +184,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     if stats is not None:
         stats.update(dict(st), prefill_s=t_prefill, decode_s=t_decode, num_pages=ecfg.num_pages,
                      slots=S, attention_impl=engine.ecfg.attention_impl,
+                     attention_fallback=engine.fallback,
                      pages_allocated=engine.pool.allocated_total,
                      pages_unshared=sum(G * pages_for(len(p) + max_new_tokens - 1, page_size)
                                         for p in prompts),
