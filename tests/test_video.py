@@ -1,7 +1,6 @@
 """Video and image input: patches equal transformers' Qwen2-VL processor on the same frames,
 PyAV decoding samples the right frames, bad files are reported by path, and the synthetic
 video task's answers can be read back from its decoded videos."""
-import os
 
 import numpy as np
 import pytest

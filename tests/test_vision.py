@@ -70,6 +70,9 @@ def test_config_and_tree(model):
     from lrl.models import abstract_params
     want = jax.tree.map(lambda s: s.shape, abstract_params(c.text))
     assert jax.tree.map(lambda a: a.shape, params["text"]) == want
+    rand = vision.init_vision_params(c.vision, jax.random.key(0))
+    assert jax.tree.map(lambda a: a.shape, rand) == jax.tree.map(lambda a: a.shape,
+                                                                  params["vision"])
 
 
 def test_vision_tower_matches_transformers(model):
@@ -149,8 +152,9 @@ def test_mrope_original_rule_and_plain_rope(model):
 
 
 def _group_batch(c, prompts, G):
-    """P prompts × G samples, prompt-major rows, each prompt + a random completion."""
-    rows, pos, items = [], [], []
+    """P prompts × G samples, prompt-major rows, each prompt + a random completion; the last
+    sample of each prompt 'generates' a video placeholder id, which must stay a text token."""
+    rows, pos, items, counts = [], [], [], []
     rng = np.random.RandomState(7)
     for grid, pv in prompts:
         n = c.tokens_per_item(grid)
@@ -158,16 +162,17 @@ def _group_batch(c, prompts, G):
                           + [c.vision_end_token_id, 9])
         p, delta = vl.mrope_positions(c, prompt, video_grids=[grid])
         items.append([vision_item(pv, grid)])
-        for _ in range(G):
+        counts.append(n)
+        for g in range(G):
             comp = rng.randint(0, 140, 6)
+            comp[2] = c.video_token_id if g == G - 1 else comp[2]
             rows.append(np.concatenate([prompt, comp]))
-            cpos = len(prompt) + np.arange(6) + delta
-            pos.append(np.concatenate([p, np.broadcast_to(cpos, (3, 6))], axis=1))
+            pos.append(vl.extend_positions(p, delta, len(rows[-1])))
     T = max(len(r) for r in rows)
     seg = np.array([[1] * len(r) + [0] * (T - len(r)) for r in rows])
     tokens = np.array([np.pad(r, (0, T - len(r))) for r in rows])
     positions = np.stack([np.pad(p, ((0, 0), (0, T - p.shape[1]))) for p in pos], axis=1)
-    return tokens, positions, seg, items
+    return tokens, positions, seg, items, counts
 
 
 def test_cached_embeddings_equal_uncached_and_encode_once_per_prompt(model, tmp_path):
@@ -184,10 +189,12 @@ def test_cached_embeddings_equal_uncached_and_encode_once_per_prompt(model, tmp_
 
     for G in (1, 4):
         calls.update(frames=0, calls=0)
-        tokens, positions, seg, items = _group_batch(c, prompts, G)
+        tokens, positions, seg, items, counts = _group_batch(c, prompts, G)
         per_prompt = embed_cache.prompt_embeddings(c.vision, params["vision"], items, counting)
         table, offsets = embed_cache.build_table(per_prompt, c.text.d_model, pad_to=16)
-        index = vl.visual_index(c, tokens, seg, embed_cache.group_offsets(offsets, G))
+        index = vl.visual_index(c, tokens, seg, *embed_cache.group_offsets(offsets, G, counts))
+        sampled_pad = (tokens == c.video_token_id) & (np.arange(tokens.shape[1]) >= 4 + counts[0])
+        assert sampled_pad[G - 1].any() and (index[:G][sampled_pad[:G]] == -1).all()
         got = vl.vl_forward(c.text, params["text"], tokens, positions, seg, table, index)
         # Each prompt's frames went through the tower once: 2 + 2 + 2 temporal patches.
         assert calls["frames"] == 6 and calls["calls"] == 2
@@ -195,7 +202,8 @@ def test_cached_embeddings_equal_uncached_and_encode_once_per_prompt(model, tmp_
         encode = jax.jit(vision.encode, static_argnums=(0, 3))
         own = [encode(c.vision, params["vision"], prompts[r // G][1], prompts[r // G][0])
                for r in range(len(tokens))]
-        t_u, i_u = vl.visual_table_hf_order(c, tokens, video_embeds=own)
+        t_u, i_u = vl.visual_table_hf_order(c, np.where(index >= 0, tokens, 0),
+                                            video_embeds=own)
         want = vl.vl_forward(c.text, params["text"], tokens, positions, seg, t_u, i_u)
         mask = seg > 0
         assert rel_err(np.asarray(got)[mask], np.asarray(want)[mask]) < 1e-5
@@ -219,7 +227,7 @@ def test_cached_embeddings_equal_uncached_and_encode_once_per_prompt(model, tmp_
 
 def test_sharded_ring_forward_and_frame_split(model):
     _, _, c, params = model
-    tokens, positions, seg, items = _group_batch(
+    tokens, positions, seg, items, counts = _group_batch(
         c, [(VID_GRID, _pixels(VID_GRID, 20)), (VID_GRID, _pixels(VID_GRID, 21))], 2)
     T = -(-tokens.shape[1] // 8) * 8
     pad = ((0, 0), (0, T - tokens.shape[1]))
@@ -234,7 +242,7 @@ def test_sharded_ring_forward_and_frame_split(model):
     ref = embed_cache.prompt_embeddings(c.vision, params["vision"], items,
                                         embed_cache.make_encoder(c.vision))
     assert rel_err(np.asarray(per_prompt[0]), np.asarray(ref[0])) < 1e-5
-    index = vl.visual_index(c, tokens, seg, embed_cache.group_offsets(offsets, 2))
+    index = vl.visual_index(c, tokens, seg, *embed_cache.group_offsets(offsets, 2, counts))
     ref_table, _ = embed_cache.build_table(ref, c.text.d_model)
     want = vl.vl_forward(c.text, params["text"], tokens, positions, seg, ref_table, index)
     ring = c.text.replace(attention="ring")

@@ -36,7 +36,7 @@ Encoder = Callable[[object, np.ndarray, tuple], jax.Array]
 
 
 def make_encoder(vcfg: VisionConfig, mesh=None, frame_axes: Optional[Sequence[str]] = None,
-                 frame_chunk: int = 64) -> Encoder:
+                 frame_chunk: int = 16) -> Encoder:
     """encoder(vision_params, patches [F, P, C], (grid_h, grid_w)) -> [F, P / m², D].
 
     Frames are split over `frame_axes` (default: every mesh axis) and run `frame_chunk` per
@@ -191,11 +191,15 @@ def build_table(per_prompt: Sequence, width: int, dtype=jnp.float32, pad_to: int
     return jnp.concatenate(parts, axis=0), np.asarray(offsets, np.int32)
 
 
-def group_offsets(prompt_offsets, group_size: int, segments_per_row: int = 1):
-    """Table offsets [P·G, 1 + segments_per_row] for rows ordered prompt-major (row p·G + g is
-    sample g of prompt p, segment 1): the `offsets_BS` that `lrl.models.vl.visual_index` reads.
-    Every sample of a prompt points at the same rows."""
-    per_row = np.repeat(np.asarray(prompt_offsets, np.int32), group_size)
-    out = np.full((len(per_row), 1 + segments_per_row), -1, np.int32)
-    out[:, 1] = per_row
-    return out
+def group_offsets(prompt_offsets, group_size: int, counts=None, segments_per_row: int = 1):
+    """Table offsets (and, given each prompt's visual token `counts`, counts) [P·G, 1 + S]
+    for rows ordered prompt-major (row p·G + g is sample g of prompt p, segment 1): the
+    `offsets_BS` / `counts_BS` that `lrl.models.vl.visual_index` reads. Every sample of a
+    prompt points at the same rows."""
+    def spread(values, fill):
+        per_row = np.repeat(np.asarray(values, np.int32), group_size)
+        out = np.full((len(per_row), 1 + segments_per_row), fill, np.int32)
+        out[:, 1] = per_row
+        return out
+    offsets = spread(prompt_offsets, -1)
+    return offsets if counts is None else (offsets, spread(counts, 0))

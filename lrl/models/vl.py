@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -119,6 +118,15 @@ def mrope_positions(vl_cfg: VLConfig, tokens_T, image_grids: Sequence = (),
     return positions, nxt - T
 
 
+def extend_positions(positions_3T, delta: int, length: int) -> np.ndarray:
+    """A prompt's positions extended to `length` tokens: token j past the prompt is text
+    (whatever id the policy sampled) at j + delta in all three components."""
+    positions_3T = np.asarray(positions_3T)
+    tail = np.arange(positions_3T.shape[1], length) + delta
+    return np.concatenate([positions_3T, np.broadcast_to(tail, (3, len(tail)))],
+                          axis=1).astype(np.int32)
+
+
 def text_positions_3(tokens_BT, segment_ids_BT=None, offset_B=None):
     """[3, B, T] positions for text-only rows (three equal components), plus an optional
     per-row offset (a rope delta)."""
@@ -130,12 +138,15 @@ def text_positions_3(tokens_BT, segment_ids_BT=None, offset_B=None):
 
 # ----------------------------------------------------------------------------- visual index
 
-def visual_index(vl_cfg: VLConfig, tokens_BT, segment_ids_BT=None, offsets_BS=None):
+def visual_index(vl_cfg: VLConfig, tokens_BT, segment_ids_BT=None, offsets_BS=None,
+                 counts_BS=None):
     """Host-side [B, T] int32 index into the visual table (-1 for text tokens).
 
-    The k-th placeholder of segment s of row b reads table row `offsets_BS[b, s] + k`. Without
-    segment ids each row is segment 1; without offsets, rows read consecutive table rows in
-    row-major order (transformers' masked_scatter order).
+    The k-th placeholder of segment s of row b reads table row `offsets_BS[b, s] + k`, for
+    k < `counts_BS[b, s]` (the prompt's visual token count): placeholder ids the policy happens
+    to sample in a completion stay ordinary tokens. Without segment ids each row is segment 1;
+    without offsets, rows read consecutive table rows in row-major order (transformers'
+    masked_scatter order).
     """
     tokens_BT = np.asarray(tokens_BT)
     is_vis = np.isin(tokens_BT, vl_cfg.vision_token_ids)
@@ -148,7 +159,9 @@ def visual_index(vl_cfg: VLConfig, tokens_BT, segment_ids_BT=None, offsets_BS=No
     for b in range(tokens_BT.shape[0]):
         for s in np.unique(seg[b][is_vis[b]]):
             where = np.nonzero(is_vis[b] & (seg[b] == s))[0]
-            if offsets_BS[b, s] < 0:
+            if counts_BS is not None:
+                where = where[:int(counts_BS[b, s])]
+            if len(where) and offsets_BS[b, s] < 0:
                 raise ValueError(f"visual_index: row {b} segment {s} has {len(where)} visual "
                                  "tokens but no table offset")
             out[b, where] = offsets_BS[b, s] + np.arange(len(where))
