@@ -184,11 +184,11 @@ def _gather_segments(cfg, seg):
 def _ring_forward(cfg, q, k, v, seg):
     idx = lax.axis_index(cfg.axis)
     seg_all = _gather_segments(cfg, seg)
+    if cfg.n == 1:  # no hops: nothing to stack or send
+        return cfg.block(q, (k, v), seg, seg, "causal")
     kv = jnp.stack([k, v])                                 # [2, B, S, K, H]: one buffer per hop
-    kv_next = cfg.send(kv) if cfg.n > 1 else None          # in flight during the diagonal
+    kv_next = cfg.send(kv)                                 # in flight during the diagonal
     acc = cfg.block(q, kv, seg, seg, "causal")
-    if cfg.n == 1:
-        return acc
 
     def hop(carry, s):
         kv_cur, acc = carry
@@ -203,11 +203,11 @@ def _ring_forward(cfg, q, k, v, seg):
 def _ring_backward(cfg, q, k, v, seg, o, lse, do):
     idx = lax.axis_index(cfg.axis)
     seg_all = _gather_segments(cfg, seg)
-    kv = jnp.stack([k, v])
-    kv_next = cfg.send(kv) if cfg.n > 1 else None
-    dq, dk, dv = cfg.block_bwd(q, kv, o, lse, do, seg, seg, "causal")
     if cfg.n == 1:
-        return dq, dk, dv
+        return cfg.block_bwd(q, (k, v), o, lse, do, seg, seg, "causal")
+    kv = jnp.stack([k, v])
+    kv_next = cfg.send(kv)
+    dq, dk, dv = cfg.block_bwd(q, kv, o, lse, do, seg, seg, "causal")
     dkv_next = cfg.send(jnp.stack([dk, dv]))               # travels with its block
 
     def hop(carry, s):
