@@ -84,7 +84,8 @@ def bench_case(cfg, params, spec, a, wbytes):
     prompts = [rng.randint(0, cfg.vocab_size, size=T) for _ in range(P)]
     common = dict(temperature=1.0, seed=0, page_size=a.page_size, max_slots=P,
                   pool_tokens=P * (T + N + 2 * a.page_size), prefill_chunk=a.prefill_chunk,
-                  steps_per_call=a.steps_per_call)
+                  steps_per_call=a.steps_per_call, layer_unroll=a.layer_unroll,
+                  attention_impl=a.attention)
     warm = {}
     t_compile = timed_generate(cfg, params, prompts[:min(P, 8)], 1, N, common, warm)
     stats = {}
@@ -108,7 +109,8 @@ def bench_shared(cfg, params, spec, a):
     prompts = [rng.randint(0, cfg.vocab_size, size=T) for _ in range(P)]
     common = dict(temperature=1.0, seed=0, page_size=a.page_size, max_slots=P * G,
                   pool_tokens=P * T + P * G * (N + 2 * a.page_size),
-                  prefill_chunk=a.prefill_chunk, steps_per_call=a.steps_per_call)
+                  prefill_chunk=a.prefill_chunk, steps_per_call=a.steps_per_call,
+                  layer_unroll=a.layer_unroll, attention_impl=a.attention)
     timed_generate(cfg, params, prompts[:1], G, N, common, {})        # compile
     stats = {}
     total = timed_generate(cfg, params, prompts, G, N, common, stats)
@@ -142,6 +144,8 @@ def main():
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--prefill-chunk", type=int, default=None)
     ap.add_argument("--steps-per-call", type=int, default=None)
+    ap.add_argument("--layer-unroll", type=int, default=1, help="unroll of the layer scan")
+    ap.add_argument("--attention", default=None, help="decode attention: pallas | xla")
     a = ap.parse_args()
     cases = (a.cases if a.cases is not None else
              "4x16x8,8x16x8,2x64x8" if a.smoke else "64x512x256,256x512x256,16x8192x256")

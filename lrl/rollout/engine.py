@@ -11,8 +11,9 @@ How a prompt of T tokens becomes G samples:
   token is left for the first decode step, so every sampled token, the first included, comes
   out of the same decode step with its log-prob.
 - `insert` gives each of the G slots the prompt's full pages (shared, reference counted), its
-  own copy of the partly filled last page, and fresh pages for everything it may generate
-  (pages are reserved at insert, so a slot never runs out mid-sample).
+  own copy of the partly filled last page (the prompt's last sample takes the page itself),
+  and fresh pages for everything it may generate (pages are reserved at insert, so a slot
+  never runs out mid-sample and nothing is ever preempted).
 - `generate` runs decode steps for all live slots at once; a slot stops by itself on an end
   token or its length limit. `free` returns its pages.
 
@@ -58,6 +59,7 @@ class EngineConfig:
     decode_block_pages: int = 8      # pages per compute block of decode attention
     prefill_block_pages: int = 64    # pages per block when a prefill chunk reads the pages
     pallas_k_splits: int = 4         # splits of the kv axis in the Pallas kernel
+    layer_unroll: int = 1            # unroll of the layer scan (fewer loop trips per step)
 
     def __post_init__(self):
         for name in ("prefill_chunk", "min_prefill_bucket"):
@@ -105,7 +107,8 @@ def _embed(cfg, params, tokens):
     return jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(cfg.dtype)
 
 
-def _run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT, attend):
+def _run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT, attend,
+                unroll=1):
     """The training Block's two halves around a paged write and a paged attention."""
     P = k_pages.shape[1] // cfg.n_layers
     block = Block(cfg)
@@ -121,7 +124,7 @@ def _run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT
         return (x, kp, vp), None
 
     xs = (params["layers"], jnp.arange(cfg.n_layers, dtype=jnp.int32))
-    (x, k_pages, v_pages), _ = jax.lax.scan(body, (x_BTD, k_pages, v_pages), xs)
+    (x, k_pages, v_pages), _ = jax.lax.scan(body, (x_BTD, k_pages, v_pages), xs, unroll=unroll)
     return x, k_pages, v_pages
 
 
@@ -152,7 +155,8 @@ def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_val
                                       ecfg.prefill_block_pages)
 
     _, k_pages, v_pages = _run_layers(cfg, params, _embed(cfg, params, tokens_BC), pos_BC,
-                                      k_pages, v_pages, page_BC, offset_BC, attend)
+                                      k_pages, v_pages, page_BC, offset_BC, attend,
+                                      ecfg.layer_unroll)
     return k_pages, v_pages
 
 
@@ -168,7 +172,8 @@ def _decode_step(cfg, ecfg, params, state: DecodeState, rng):
                                    k_splits=ecfg.pallas_k_splits)
 
     x, kp, vp = _run_layers(cfg, params, _embed(cfg, params, state.tokens[:, None]), pos_B1,
-                            state.k_pages, state.v_pages, page_B1, offset_B1, attend)
+                            state.k_pages, state.v_pages, page_B1, offset_B1, attend,
+                            ecfg.layer_unroll)
     norm = RMSNorm(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     x = norm.apply({"params": params["final_norm"]}, x)
     logits_BV = logits_from_hidden(x, unembedding(cfg, params))[:, 0]

@@ -61,7 +61,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
              pool_fraction: Optional[float] = None, prefill_chunk: int = 4096,
              steps_per_call: int = 16, attention_impl: Optional[str] = None,
              decode_block_pages: int = 8, prefill_block_pages: Optional[int] = None,
-             mesh=None, stats: Optional[dict] = None):
+             layer_unroll: int = 1, mesh=None, stats: Optional[dict] = None):
     """-> [P][G] list of (token ids int32, log-probs float32) per sample.
 
     The pool holds `pool_tokens` tokens, or `pool_fraction` of free device memory, or by
@@ -90,7 +90,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         eos_ids=tuple(int(e) for e in eos_ids),
         sampling=SamplingParams(float(temperature), int(top_k), float(top_p)),
         attention_impl=attention_impl, decode_block_pages=decode_block_pages,
-        prefill_block_pages=prefill_block_pages)
+        prefill_block_pages=prefill_block_pages, layer_unroll=layer_unroll)
     engine = Engine(cfg, ecfg, mesh)
     for i, p in enumerate(prompts):
         engine.check_fits(len(p), max_new_tokens, what=f"prompt {i}")
