@@ -100,7 +100,7 @@ def bench_case(cfg, params, spec, a, wbytes):
                 new_tok_s=new / total, decode_tok_s=new / stats["decode_s"],
                 step_ms=step_s * 1e3, roofline_ms=roof_s * 1e3, roofline_frac=roof_s / step_s,
                 weight_gb=wbytes / 1e9, live_kv_gb=kv_bytes / 1e9, first_run_s=t_compile,
-                attention=stats["attention_impl"])
+                attention=stats["attention_impl"], fallback=stats["attention_fallback"])
 
 
 def bench_shared(cfg, params, spec, a):
@@ -173,6 +173,9 @@ def main():
             r["vs_peer"] = r["new_tok_s"] / r["peer_tok_s"]
         print(json.dumps(r), flush=True)
         rows.append(r)
+    if rows:
+        print(f"decode attention: {rows[0]['attention']}"
+              + (f" (Pallas fell back: {rows[0]['fallback']})" if rows[0]["fallback"] else ""))
     shared_row = bench_shared(cfg, params, shared, a) if shared else None
     if shared_row:
         print(json.dumps(shared_row), flush=True)
