@@ -68,7 +68,8 @@ def test_attention_with_lse_matches_reference_values_lse_grads():
     B, T, S, N, K, H = 2, 13, 11, 4, 2, 8
     q, k, v = qkv(rng, B, T, N, K, H, S)
     q_seg, kv_seg = jnp.asarray(rng.integers(0, 3, (B, T))), jnp.asarray(rng.integers(0, 3, (B, S)))
-    q_idx, kv_idx = jnp.asarray(rng.integers(0, 20, (B, T))), jnp.asarray(rng.integers(0, 20, (B, S)))
+    q_idx = jnp.asarray(rng.integers(0, 20, (B, T)))
+    kv_idx = jnp.asarray(rng.integers(0, 20, (B, S)))
     q_seg = q_seg.at[0, 3].set(7)  # a segment no key has: a fully masked row
     kw = dict(q_segment_ids_BT=q_seg, kv_segment_ids_BS=kv_seg, q_index_BT=q_idx,
               kv_index_BS=kv_idx)

@@ -3,7 +3,7 @@ comm/compute model of the ring for 2..64 shards.
 
     python experiments/bench/ring_attention.py                  # H200: 32K and 128K, bf16
     python experiments/bench/ring_attention.py --heads 12 --kv-heads 2   # Qwen2.5-1.5B heads
-    python experiments/bench/ring_attention.py --smoke          # CPU, tiny shapes, checks the script
+    python experiments/bench/ring_attention.py --smoke          # CPU, tiny shapes: checks it
 
 Defaults: B=1, N=K=32 heads (multi-head, as the cuDNN numbers in GPU_NOTES), H=128, bf16,
 causal, one segment per row. The ring runs `lrl.models.ring.ring_attention` on a mesh whose
@@ -19,7 +19,6 @@ B batch · T positions · N query heads · K kv heads · H head dim.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 
 import numpy as np

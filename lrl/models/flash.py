@@ -329,8 +329,7 @@ def block_attention(q_BTNH, k_BSKH, v_BSKH, *, mask_kind, q_segment_ids=None,
     shift = k_BSKH.shape[1] - b
     # an empty rectangle still gets one (masked-out) pair: cuDNN is not asked for length 0
     o, lse = fc.fwd(q_BTNH, _roll_rows(k_BSKH, shift), _roll_rows(v_BSKH, shift),
-                        causal=False, scale=scale, q_len=jnp.maximum(a, 1),
-                        kv_len=jnp.maximum(b, 1))
+                    causal=False, scale=scale, q_len=jnp.maximum(a, 1), kv_len=jnp.maximum(b, 1))
     seen_BT = (jnp.arange(q_BTNH.shape[1])[None] < a[:, None]) & (b[:, None] > 0)
     o = jnp.where(seen_BT[:, :, None, None], o, 0).astype(out_dtype)
     return o, jnp.where(seen_BT[:, None, :], lse, -jnp.inf)
@@ -354,7 +353,7 @@ def block_attention_bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BNT, do_BTNH, *, mas
     f32 = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)
     if not segmented:
         return f32(*fc.bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BNT, do_BTNH,
-                               causal=mask_kind == "causal", scale=scale))
+                           causal=mask_kind == "causal", scale=scale))
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
     a, b = _shared_tail(q_segment_ids, kv_segment_ids)
     shift = S - b
@@ -363,8 +362,8 @@ def block_attention_bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BNT, do_BTNH, *, mas
     do = jnp.where(seen_BT[:, :, None, None], do_BTNH, 0)
     lse = jnp.where(jnp.isfinite(lse_BNT), lse_BNT, 0.0)
     dq, dk, dv = f32(*fc.bwd(q_BTNH, _roll_rows(k_BSKH, shift), _roll_rows(v_BSKH, shift),
-                                 o_BTNH, lse, do, causal=False, scale=scale,
-                                 q_len=jnp.maximum(a, 1), kv_len=jnp.maximum(b, 1)))
+                             o_BTNH, lse, do, causal=False, scale=scale,
+                             q_len=jnp.maximum(a, 1), kv_len=jnp.maximum(b, 1)))
     key_seen = (jnp.arange(S)[None] < b[:, None]) & (a[:, None] > 0)
     dk, dv = (jnp.where(key_seen[:, :, None, None], g, 0) for g in (dk, dv))
     return (jnp.where(seen_BT[:, :, None, None], dq, 0),
