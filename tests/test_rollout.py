@@ -4,7 +4,6 @@ prefill, seeds, pool errors and a sharded run."""
 import contextlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch

@@ -41,15 +41,15 @@ def _check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
     return out
 
 
-def _pool_pages(cfg, prompts, G, max_new, page_size, slots, pool_tokens, pool_fraction, mesh):
+def _pool_pages(cfg, prompts, max_new, page_size, slots, pool_tokens, pool_fraction, mesh):
     if pool_tokens is not None:
         return num_pages_for_tokens(pool_tokens, page_size)
     if pool_fraction is not None:
         tensor = mesh.shape["tensor"] if mesh is not None else 1
         shards = tensor if cfg.n_kv_heads % tensor == 0 else 1
         return num_pages_for_memory(cfg, page_size, pool_fraction, kv_shards=shards)
-    # Default: room for every prompt's pages and `slots` of the longest samples at once.
-    longest = max(len(p) for p in prompts)
+    # Default: room for every prompt's pages and `slots` samples at once (a sample owns at
+    # most its new tokens' pages plus the copy of its prompt's partial page).
     prompt_pages = sum(pages_for(len(p) - 1, page_size) for p in prompts)
     return prompt_pages + slots * (pages_for(max_new, page_size) + 1) + 1
 
@@ -83,7 +83,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         prefill_block_pages = max(1, 1024 // page_size)
     ecfg = EngineConfig(
         page_size=page_size,
-        num_pages=_pool_pages(cfg, prompts, G, max_new_tokens, page_size, S, pool_tokens,
+        num_pages=_pool_pages(cfg, prompts, max_new_tokens, page_size, S, pool_tokens,
                               pool_fraction, mesh),
         max_slots=S, max_pages_per_slot=pages_for(longest + max_new_tokens - 1, page_size),
         prefill_chunk=prefill_chunk, min_prefill_bucket=min(16, prefill_chunk),
