@@ -9,13 +9,14 @@ N query heads · K kv heads · H head dim · L layers.
 """
 from __future__ import annotations
 
-import logging
 import math
 from typing import Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from lrl import distributed
 
 AXES = ("data", "fsdp", "seq", "tensor")
 # Axes over which the rows of a batch are split: plain data parallelism and FSDP both hold
@@ -71,21 +72,11 @@ def make_mesh(sizes: Mapping[str, int] | None = None,
 def maybe_initialize_distributed(cfg) -> None:
     """Starts jax.distributed when the config asks for it (multi-host runs).
 
-    `cfg` has `enabled`, `coordinator_address`, `num_processes`, `process_id`; empty values
-    let JAX detect them (SLURM, Open MPI, cloud TPU).
+    `cfg` is `config.distributed` (fields and defaults in `lrl.distributed.DEFAULTS`): empty
+    address / count / id let JAX detect them (SLURM, Open MPI, cloud TPU); timeouts are
+    bounded, CPU runs get gloo collectives, and a failing process exits without hanging.
     """
-    if not cfg.enabled:
-        return
-    kwargs = {}
-    if cfg.coordinator_address:
-        kwargs["coordinator_address"] = cfg.coordinator_address
-    if cfg.num_processes > 0:
-        kwargs["num_processes"] = cfg.num_processes
-    if cfg.process_id >= 0:
-        kwargs["process_id"] = cfg.process_id
-    jax.distributed.initialize(**kwargs)
-    logging.info("jax.distributed: process %d of %d, %d local devices",
-                 jax.process_index(), jax.process_count(), jax.local_device_count())
+    distributed.initialize(cfg)
 
 
 def spec_for(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
