@@ -26,12 +26,14 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import pickle
 import sys
 import threading
 import time
 from typing import Callable, Mapping
 
 import jax
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,35 @@ def initialize(cfg) -> bool:
     if float(s["watchdog_s"]) > 0:
         start_watchdog(float(s["watchdog_s"]))
     return True
+
+
+# ----------------------------------------------------------------------------- host agreement
+
+def allgather_objects(obj) -> list:
+    """Every process's `obj` (any picklable value), in process order, on every process.
+
+    For host-side data that must be the same everywhere before it enters a jitted function:
+    every process of a multi-controller run must launch the same programs on the same
+    global inputs (e.g. the prompts a rollout decodes).
+    """
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int32)))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    every = np.asarray(multihost_utils.process_allgather(padded))
+    return [pickle.loads(every[i, :int(sizes.reshape(-1)[i])].tobytes())
+            for i in range(every.shape[0])]
+
+
+def max_over_processes(n: int) -> int:
+    """The largest `n` over all processes (e.g. packed rows, so every process sends as many)."""
+    if jax.process_count() == 1:
+        return int(n)
+    from jax.experimental import multihost_utils
+    return int(np.max(multihost_utils.process_allgather(np.asarray(int(n), np.int32))))
 
 
 # ----------------------------------------------------------------------------- failing fast
