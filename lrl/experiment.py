@@ -17,6 +17,29 @@ from lrl import models
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+def check_config(config) -> None:
+    """Fails fast, before any compile or training, on values that would only break later."""
+    choices = {"job": (config.job, ("grpo", "sft")),
+               "data.source": (config.data.source, ("synthetic", "jsonl", "parquet")),
+               "rl.overlong": (config.rl.overlong, ("none", "mask", "penalty")),
+               "model.dtype": (config.model.dtype, tuple(_DTYPES)),
+               "model.param_dtype": (config.model.param_dtype, tuple(_DTYPES))}
+    for key, (value, valid) in choices.items():
+        if value not in valid:
+            raise ValueError(f"{key}={value!r}; choose one of {valid}")
+    from lrl.rl.advantages import ESTIMATORS
+    if config.rl.estimator not in ESTIMATORS:
+        raise ValueError(f"rl.estimator={config.rl.estimator!r}; choose one of {ESTIMATORS}")
+    if config.data.source != "synthetic" and not config.data.paths:
+        raise ValueError(f"data.source={config.data.source!r} needs data.paths")
+    if config.sft.steps and config.data.source != "synthetic" and not config.sft.paths:
+        raise ValueError("sft.steps > 0 needs prompt/response records in sft.paths unless "
+                         "data.source='synthetic' (or set sft.steps=0)")
+    if config.job == "grpo" and config.rl.group_size < 2:
+        raise ValueError(f"rl.group_size={config.rl.group_size}: GRPO needs at least 2 "
+                         "samples per prompt")
+
+
 def dtype(name: str):
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}")

@@ -27,7 +27,6 @@ from lrl.rl import update as update_lib
 from lrl.rl.sft import make_sft_fn
 
 log = logging.getLogger(__name__)
-JOBS = ("grpo", "sft")
 
 
 @dataclasses.dataclass
@@ -49,8 +48,7 @@ class Run:
 
 def run(config, workdir: str) -> dict:
     """Runs the configured job; returns the last metrics of each phase."""
-    if config.job not in JOBS:
-        raise ValueError(f"job={config.job!r}; choose one of {JOBS}")
+    ex.check_config(config)
     os.makedirs(workdir, exist_ok=True)
     mesh = ex.build_mesh(config)
     tokenizer = ex.build_tokenizer(config, workdir)
@@ -76,8 +74,8 @@ def run(config, workdir: str) -> dict:
 def _run_phases(r: Run, sft_steps: int, rl_steps: int) -> dict:
     config = r.config
     sft_tx = ex.optimizer(config.optim, sft_steps, lr=config.sft.lr,
-                          warmup=config.sft.warmup_steps)
-    rl_tx = ex.optimizer(config.optim, rl_steps)
+                          warmup=config.sft.warmup_steps) if sft_steps else None
+    rl_tx = ex.optimizer(config.optim, rl_steps) if rl_steps else sft_tx
     # Both phases use the same optimizer structure (only the schedules differ), so one
     # abstract state restores either phase's checkpoint.
     restored = _restore(r, rl_tx)
@@ -195,7 +193,8 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> 
     if loss_cfg.kl_coef:  # the frozen reference: the policy as this phase starts
         ref_params = jax.tree.map(lambda x: x.copy(), state.params)
     evaluator = Evaluator(r) if config.eval.every else None
-    step = int(jax.device_get(state.step))
+    # GRPO steps, not optimizer updates (epochs x minibatches of them per step).
+    step = int(data_state.get("step", 0))
     metrics = {}
     try:
         while step < steps:
@@ -236,8 +235,8 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> 
                  "answer": str(groups.answers[i // groups.group_size])}
                 for i in range(min(config.metrics.samples_per_step, len(groups.texts)))])
             stopped = r.guard.should_stop(offset + step)
-            _checkpoint(r, offset + step, state, {"phase": "grpo", "prompt_iter":
-                                                  it.get_state()},
+            _checkpoint(r, offset + step, state, {"phase": "grpo", "step": step,
+                                                  "prompt_iter": it.get_state()},
                         force=stopped or step == steps)
             if stopped:
                 log.info("stopping at step %d on request (SIGTERM); checkpoint saved",

@@ -24,12 +24,14 @@ def _scalar(v: Any):
 
 
 class MetricsWriter:
+    PLOT_KEYS = {"grpo": ("reward/mean", "response/length_mean"),
+                 "sft": ("loss", "token_accuracy_lb")}
+
     def __init__(self, workdir: str, total_steps: int, *, tensorboard: bool = True,
-                 plot_keys=("reward/mean", "response/length_mean"), stream=sys.stdout):
+                 stream=sys.stdout):
         self.workdir = workdir
         self.total = total_steps
         self.primary = jax.process_index() == 0
-        self.plot_keys = tuple(plot_keys)
         self.stream = stream
         self._t0 = self._last = time.time()
         self._step0 = None
@@ -82,7 +84,7 @@ class MetricsWriter:
         if not self.primary:
             return None
         rows = [r for r in self.history if r["phase"] == phase]
-        keys = [k for k in self.plot_keys if any(k in r for r in rows)]
+        keys = [k for k in self.PLOT_KEYS.get(phase, ("loss",)) if any(k in r for r in rows)]
         if not rows or not keys:
             return None
         import matplotlib
