@@ -89,6 +89,7 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--child", default="")
     ap.add_argument("--out", default="")
+    ap.add_argument("--budget-s", type=float, default=0, help="skip what would start later")
     a = ap.parse_args()
     if a.child:
         L, remat = a.child.split(":")
@@ -105,8 +106,12 @@ def main():
     results = []
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    t_start = time.time()
     for L in lengths:
         for remat in a.remat.split(","):
+            if a.budget_s and time.time() - t_start > a.budget_s:
+                results.append({"seq": L, "remat": remat, "error": "skipped (time budget)"})
+                continue
             cmd = [sys.executable, __file__, "--child", f"{L}:{remat}", "--repeats",
                    str(a.repeats), "--attention", a.attention, "--chunk", str(a.chunk)]
             cmd += ["--smoke"] if a.smoke else []
