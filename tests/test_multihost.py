@@ -284,6 +284,92 @@ def test_settings_and_watchdog_in_process():
         dog.stop()
 
 
+LAUNCH = os.path.join(ROOT, "experiments", "launch")
+
+
+def _script(path, text):
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+def test_multinode_launcher_computes_process_ids(tmp_path):
+    """Each node starts PROCS_PER_NODE processes with global ids and the GPUs they own; one
+    failing process stops its node's others and sets the script's exit code."""
+    run = lambda env, *extra: subprocess.run(  # noqa: E731
+        ["bash", os.path.join(LAUNCH, "multinode.sh"), "configs/default.py", str(tmp_path / "w"),
+         *extra], env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    out = run(dict(DRY_RUN="1", NUM_NODES="2", NODE_RANK="1", PROCS_PER_NODE="2",
+                   GPUS_PER_NODE="2", COORDINATOR="10.0.0.1:1234"), "--config.rl.steps=5")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2
+    for local, line in enumerate(lines):
+        assert line.startswith(f"JAX_LOCAL_DEVICE_IDS={local} ")
+        assert f"--config.distributed.process_id={2 + local}" in line
+        for flag in ("--config.distributed.enabled=True", "--config.distributed.num_processes=4",
+                     "--config.distributed.coordinator_address=10.0.0.1:1234",
+                     "-m lrl.main --config=configs/default.py", "--config.rl.steps=5"):
+            assert flag in line, (flag, line)
+    out = run(dict(DRY_RUN="1", NUM_NODES="2", NODE_RANK="0", GPUS_PER_NODE="4",
+                   COORDINATOR="h:1"))
+    assert out.stdout.startswith("JAX_LOCAL_DEVICE_IDS=0,1,2,3 ") and "process_id=0" in out.stdout
+    bad = run(dict(NUM_NODES="2", NODE_RANK="2", COORDINATOR="h:1"))
+    assert bad.returncode == 2 and "NODE_RANK=2" in bad.stderr
+    bad = run(dict(NUM_NODES="1", NODE_RANK="0", COORDINATOR="no-port"))
+    assert bad.returncode == 2 and "host:port" in bad.stderr
+
+    # A stand-in interpreter: process 1 fails, process 0 would run for minutes.
+    _script(tmp_path / "py", """#!/bin/bash
+for a in "$@"; do case $a in --config.distributed.process_id=*) id=${a#*=};; esac; done
+trap 'echo "process $id stopped"; exit 143' TERM
+if [[ $id == 1 ]]; then exit 7; fi
+for i in $(seq 600); do sleep 0.1; done
+""")
+    t0 = time.monotonic()
+    out = run(dict(NUM_NODES="1", NODE_RANK="0", PROCS_PER_NODE="2", GPUS_PER_NODE="2",
+                   COORDINATOR="h:1", PYTHON=str(tmp_path / "py")))
+    assert out.returncode == 7, (out.stdout, out.stderr)
+    assert time.monotonic() - t0 < 30
+    assert "process 0 stopped" in (tmp_path / "w" / "logs" / "process_0.log").read_text()
+
+
+def test_slurm_script_runs_one_process_per_gpu_or_node(tmp_path):
+    """The sbatch script under a stand-in srun: the task layout per mode, NVLS off, the
+    device each task keeps, and the lrl.main command."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _script(bin_dir / "srun", """#!/bin/bash
+opts=(); while [[ $1 == --* ]]; do opts+=("$1"); shift; done
+echo "srun ${opts[*]}"
+for id in 0 1; do SLURM_LOCALID=$id SLURM_PROCID=$id "$@"; done
+""")
+    _script(bin_dir / "py", """#!/bin/bash
+echo "task $SLURM_PROCID ids=${JAX_LOCAL_DEVICE_IDS:-auto} nvls=$NCCL_NVLS_ENABLE args: $*"
+""")
+
+    def run(**env):
+        full = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                "PYTHON": "py", "SLURM_JOB_NUM_NODES": "2", "SLURM_CPUS_ON_NODE": "96", **env}
+        full.pop("CUDA_VISIBLE_DEVICES", None) if "CUDA_VISIBLE_DEVICES" not in env else None
+        out = subprocess.run(["bash", os.path.join(LAUNCH, "slurm.sbatch"), "configs/default.py",
+                              str(tmp_path / "w"), "--config.rl.steps=3"], env=full,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()
+
+    per_gpu = run()
+    assert per_gpu[0].startswith("srun --nodes=2 --ntasks-per-node=8 --cpus-per-task=12 ")
+    assert "--kill-on-bad-exit=1" in per_gpu[0]
+    for i, line in enumerate(per_gpu[1:]):
+        assert line == (f"task {i} ids=auto nvls=0 args: -m lrl.main --config=configs/default.py "
+                        f"--workdir={tmp_path / 'w'} --config.distributed.enabled=True "
+                        "--config.rl.steps=3")
+    per_node = run(MODE="per-node")
+    assert per_node[0].startswith("srun --nodes=2 --ntasks-per-node=1 --cpus-per-task=96 ")
+    assert all("ids=0,1,2,3,4,5,6,7 " in line for line in per_node[1:])
+    bound = run(CUDA_VISIBLE_DEVICES="5")  # a cluster that binds one GPU per task
+    assert all("ids=0 " in line for line in bound[1:])
+
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "update":
