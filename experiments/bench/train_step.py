@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
 
 def qwen25_15b(**kw):
     from lrl.models import ModelConfig
