@@ -1,0 +1,98 @@
+"""The Colab notebooks under experiments/notebooks execute headless, start to finish, on
+their smoke settings (LRL_NOTEBOOK_SMOKE=1: a handful of steps), so they never rot.
+
+Each runs in a fresh IPython kernel (nbclient + ipykernel) with the repository found from the
+notebook's folder and the install step skipped (LRL_SKIP_INSTALL=1); a cell that raises fails
+the test with that cell's error. Beyond "no error", each test checks what the notebook exists
+to show: the reward plot, ring = dense and the falling per-device memory, the exported model
+generating with transformers.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = os.path.join(ROOT, "experiments", "notebooks")
+CELL_TIMEOUT_S = 240
+
+
+def _run(name: str, monkeypatch, workdir=None, devices: int | None = 1):
+    """Executes a notebook; returns (notebook with outputs, all text output joined)."""
+    monkeypatch.setenv("LRL_NOTEBOOK_SMOKE", "1")
+    monkeypatch.setenv("LRL_SKIP_INSTALL", "1")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    # The kernel inherits this process's environment (8 virtual devices for the suite);
+    # a Colab CPU runtime has one device, which is what the training notebooks get here.
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    if devices is not None:
+        flags = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    if workdir is not None:
+        monkeypatch.setenv("LRL_NOTEBOOK_WORKDIR", str(workdir))
+    nb = nbformat.read(os.path.join(NOTEBOOKS, f"{name}.ipynb"), as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                                     resources={"metadata": {"path": NOTEBOOKS}})
+    client.execute()
+    text = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                text.append(out["text"])
+            elif "data" in out and "text/plain" in out["data"]:
+                text.append(out["data"]["text/plain"])
+    return nb, "\n".join(text)
+
+
+def _images(nb) -> int:
+    return sum("image/png" in out.get("data", {}) for cell in nb.cells
+               for out in cell.get("outputs", []))
+
+
+def test_notebooks_are_clean_and_first_cell_installs():
+    """Committed without outputs; the first code cell is the (skippable) install step."""
+    for name in ("quickstart", "long_context", "export"):
+        nb = nbformat.read(os.path.join(NOTEBOOKS, f"{name}.ipynb"), as_version=4)
+        nbformat.validate(nb)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert all(not c.get("outputs") and c.get("execution_count") is None for c in code), name
+        first = code[0].source
+        assert "pip" in first and "LRL_SKIP_INSTALL" in first and "requirements.txt" in first
+        assert "LRL_NOTEBOOK_SMOKE" in first, name
+
+
+def test_quickstart(tmp_path, monkeypatch):
+    nb, text = _run("quickstart", monkeypatch, workdir=tmp_path)
+    assert _images(nb) == 1  # the reward plot
+    with open(tmp_path / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["phase"] for r in rows] == ["sft"] * 10 + ["grpo"] * 2
+    assert all("reward/mean" in r for r in rows if r["phase"] == "grpo")
+    assert "reward" in text and "->" in text  # the samples were printed
+
+
+def test_long_context(monkeypatch):
+    nb, text = _run("long_context", monkeypatch, devices=None)  # the notebook sets 8
+    assert "CpuDevice(id=7)" in text
+    for n in (1, 2, 4, 8):
+        assert f"seq shards {n}: max |ring - dense|" in text
+        assert f"seq shards {n}: {2048 // n:5d} tokens per device" in text
+    assert _images(nb) == 1  # the memory bar chart
+
+
+def test_export(tmp_path, monkeypatch):
+    nb, text = _run("export", monkeypatch, workdir=tmp_path)
+    files = set(os.listdir(tmp_path / "hf"))
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= files, files
+    assert "transformers ->" in text and "lrl          ->" in text
+    assert "max relative logit difference lrl vs transformers" in text
+    assert "same greedy tokens:" in text
