@@ -38,7 +38,8 @@ def tiny(**kw):
                        tie_embeddings=True, **kw)
 
 
-def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: int) -> dict:
+def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: int,
+        packed: bool) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -51,7 +52,7 @@ def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
     mesh = mesh_lib.make_mesh({"fsdp": -1}, devices=jax.devices()[:1])
     tx = optim.make_optimizer(lr=1e-6, warmup_steps=1, total_steps=100)
     state = update.make_init_fn(cfg, tx, mesh)(jax.random.key(0))
-    fn = update.make_update_fn(cfg, losses.LossConfig(), tx, mesh, chunk=chunk)
+    fn = update.make_update_fn(cfg, losses.LossConfig(), tx, mesh, chunk=chunk, packed=packed)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (1, L), dtype=np.int32)
     batch = {"tokens": tokens, "positions": np.arange(L, dtype=np.int32)[None],
@@ -72,7 +73,8 @@ def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     flops = (6 * n_params + 6 * cfg.n_layers * L * cfg.d_model) * L
     stats = jax.devices()[0].memory_stats() or {}
-    return {"lrl": True, "seq": L, "remat": remat, "attention": attention, "step_s": dt,
+    return {"lrl": True, "seq": L, "remat": remat, "attention": attention, "packed": packed,
+            "step_s": dt,
             "tokens_per_s": L / dt, "tflops": flops / dt / 1e12, "compile_s": compile_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
             "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
@@ -89,6 +91,8 @@ def main():
     ap.add_argument("--peak-tflops", type=float, default=791.0)
     ap.add_argument("--peer", default="", help="path to peer_torch.py: run it in this command")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--packed", action="store_true",
+                    help="attend through the packed-row (segment ids) path, as RL batches do")
     ap.add_argument("--child", default="")
     ap.add_argument("--out", default="")
     ap.add_argument("--budget-s", type=float, default=0, help="skip what would start later")
@@ -96,7 +100,7 @@ def main():
     if a.child:
         L, remat = a.child.split(":")
         try:
-            rec = one(int(L), remat, a.smoke, a.repeats, a.attention, a.chunk)
+            rec = one(int(L), remat, a.smoke, a.repeats, a.attention, a.chunk, a.packed)
         except Exception as e:  # out of memory, mostly: record it and go on
             rec = {"lrl": True, "seq": int(L), "remat": remat, "error": f"{type(e).__name__}: "
                    f"{str(e).splitlines()[0][:200]}"}
@@ -116,6 +120,7 @@ def main():
                 continue
             cmd = [sys.executable, __file__, "--child", f"{L}:{remat}", "--repeats",
                    str(a.repeats), "--attention", a.attention, "--chunk", str(a.chunk)]
+            cmd += ["--packed"] if a.packed else []
             cmd += ["--smoke"] if a.smoke else []
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             recs = [json.loads(l[7:]) for l in out.stdout.splitlines() if l.startswith("RESULT ")]

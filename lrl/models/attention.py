@@ -22,6 +22,8 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, index_BT=None):
     K = k_BSKH.shape[2]
     if index_BT is None:
         index_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+    if segment_ids_BT is None:
+        segment_ids_BT = jnp.ones((B, T), jnp.int32)
     q = q_BTNH.reshape(B, T, K, N // K, H)
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH,
                         preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(H))

@@ -33,13 +33,13 @@ def hidden_states(cfg: ModelConfig, params, tokens_BT, positions_BT=None,
     tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
     if positions_BT is None:
         positions_BT = default_positions(tokens_BT, segment_ids_BT)
-    if segment_ids_BT is None:
-        segment_ids_BT = jnp.ones_like(tokens_BT)
+    # segment_ids None means one sequence per row: plain causal attention, no mask work.
     layout = _ring_layout(cfg, mesh, tokens_BT.shape[1])
     if layout is not None:
         perm, _ = layout
-        tokens_BT, positions_BT, segment_ids_BT = (
-            jnp.take(a, perm, axis=1) for a in (tokens_BT, positions_BT, segment_ids_BT))
+        tokens_BT, positions_BT = (jnp.take(a, perm, axis=1) for a in (tokens_BT, positions_BT))
+        if segment_ids_BT is not None:
+            segment_ids_BT = jnp.take(segment_ids_BT, perm, axis=1)
     x = Decoder(cfg, mesh).apply({"params": params}, tokens_BT, positions_BT, segment_ids_BT,
                                  method=Decoder.hidden)
     if layout is not None:

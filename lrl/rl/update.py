@@ -72,9 +72,11 @@ def _constrain(tree, mesh):
         x, mesh_lib.batch_sharding(mesh, x.ndim)), tree)
 
 
-def _token_logprobs(model_cfg, params, mb, mesh, chunk, compute_entropy):
+def _token_logprobs(model_cfg, params, mb, mesh, chunk, compute_entropy, packed=True):
+    # packed=False: every row is one sequence, so attention needs no segment mask (cuDNN's
+    # plain causal kernel instead of its packed layout); the loss still reads segment_ids.
     x_BTD = models.hidden_states(model_cfg, params, mb["tokens"], mb["positions"],
-                                 mb["segment_ids"], mesh)
+                                 mb["segment_ids"] if packed else None, mesh)
     w_DV = models.unembedding(model_cfg, params).astype(x_BTD.dtype)
     if mesh is not None:
         # Gather D (fsdp) once, before the chunk loop, instead of once per chunk inside it;
@@ -95,7 +97,7 @@ def _metric_identity(shapes):
 
 def update_step(state: TrainState, batch, *, model_cfg, loss_cfg: losses.LossConfig,
                 tx: optax.GradientTransformation, mesh=None, num_micro: int = 1,
-                chunk: int = 1024, compute_entropy: bool = True):
+                chunk: int = 1024, compute_entropy: bool = True, packed: bool = True):
     """One optimizer step on a minibatch of packed rows -> (new state, metrics).
 
     Gradients are taken with respect to the master params (the model casts them to
@@ -120,7 +122,8 @@ def update_step(state: TrainState, batch, *, model_cfg, loss_cfg: losses.LossCon
 
     def micro_loss(params, mb):
         mb = _constrain(mb, mesh)
-        return terms(*_token_logprobs(model_cfg, params, mb, mesh, chunk, compute_entropy), mb)
+        return terms(*_token_logprobs(model_cfg, params, mb, mesh, chunk, compute_entropy,
+                                      packed), mb)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     micro = _micro_split(batch, num_micro)
@@ -195,12 +198,12 @@ def make_init_fn(model_cfg, tx, mesh=None):
 
 
 def make_update_fn(model_cfg, loss_cfg, tx, mesh=None, *, num_micro: int = 1,
-                   chunk: int = 1024, compute_entropy: bool = True):
+                   chunk: int = 1024, compute_entropy: bool = True, packed: bool = True):
     """update_step jitted once: the state is donated; with a mesh, the state keeps its
     sharding, batch rows go over (data, fsdp) and positions over seq, metrics are replicated."""
     step = functools.partial(update_step, model_cfg=model_cfg, loss_cfg=loss_cfg, tx=tx,
                              mesh=mesh, num_micro=num_micro, chunk=chunk,
-                             compute_entropy=compute_entropy)
+                             compute_entropy=compute_entropy, packed=packed)
     if mesh is None:
         return jax.jit(step, donate_argnums=(0,))
     state_sh = train_state_shardings(model_cfg, tx, mesh)
