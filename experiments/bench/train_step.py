@@ -63,6 +63,12 @@ def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
     t0 = time.perf_counter()
     compiled = fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    if mem is not None:  # what XLA plans to hold, before any step runs
+        print("MEMORY " + json.dumps({"seq": L, "remat": remat, "compile_s": compile_s, **{
+            k: getattr(mem, k) / 2**30 for k in ("temp_size_in_bytes", "argument_size_in_bytes",
+                                                 "output_size_in_bytes", "alias_size_in_bytes")
+            if hasattr(mem, k)}}), flush=True)
     if repeats > 1:  # the first call pays for allocation; time the ones after it
         state, m = compiled(state, batch)
         jax.block_until_ready(m)
