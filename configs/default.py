@@ -45,8 +45,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # --- the device mesh: sizes per axis, -1 = all remaining devices ------------------------
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, seq=1, tensor=1))
+    # --- multi-process runs (one process per host or per GPU); see experiments/launch/ ----
     c.distributed = ml_collections.ConfigDict(dict(
-        enabled=False, coordinator_address="", num_processes=-1, process_id=-1))
+        enabled=False,               # start jax.distributed
+        coordinator_address="",      # "host:port" of process 0; "" = detect (SLURM, MPI, TPU)
+        num_processes=-1,            # -1 = detect
+        process_id=-1,               # -1 = detect
+        local_device_ids="",         # "0,1,2,3": the GPUs this process drives; "" = JAX's choice
+        initialization_timeout_s=300,
+        heartbeat_timeout_s=100,     # a silent peer is declared dead after this; the rest stop
+        shutdown_timeout_s=300,
+        cpu_collectives="gloo",      # gloo | mpi | none (cross-process collectives on CPU)
+        watchdog_s=0.0))             # > 0: exit when no step finishes for this long
 
     # --- prompts ----------------------------------------------------------------------------
     c.data = ml_collections.ConfigDict()

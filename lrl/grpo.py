@@ -114,7 +114,7 @@ def informative(rewards_PG: np.ndarray) -> np.ndarray:
 
 
 def update_rows(groups: Groups, adv_PG: np.ndarray, weight: np.ndarray, *, row_len: int,
-                rows_multiple: int, use_sampler_logp: bool):
+                rows_multiple: int, use_sampler_logp: bool, min_rows: int = 0):
     """Packs prompt+completion rows for the update; the loss mask covers completion tokens
     (times the overlong weight). Returns (batch dict of [B, T] arrays, layout)."""
     G = groups.group_size
@@ -126,7 +126,7 @@ def update_rows(groups: Groups, adv_PG: np.ndarray, weight: np.ndarray, *, row_l
     batch, layout = packing.pack(prompts, groups.completions, row_len,
                                  seq_values={"advantages": adv_PG.reshape(-1)},
                                  token_values=token_values, rows_multiple=rows_multiple,
-                                 truncate=True)
+                                 min_rows=min_rows, truncate=True)
     batch["loss_mask"] = batch["loss_mask"] * batch.pop("completion_weight")
     return batch, layout
 

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from lrl import checkpoint as ckpt_lib
+from lrl import distributed
 from lrl import experiment as ex
 from lrl import grpo
 from lrl import mesh as mesh_lib
@@ -160,6 +161,7 @@ def sft_phase(r: Run, state, tx, steps: int, data_state: dict):
         state, m = step_fn(state, _put_batch(r, arrays))
         step += 1
         metrics = r.writer.write(step, jax.device_get(m), phase="sft")
+        distributed.beat(f"sft step {step}")
         stopped = r.guard.should_stop(step)
         _checkpoint(r, step, state, {"phase": "sft", "sft_iter": it.get_state()},
                     force=stopped or step == steps)
@@ -204,10 +206,20 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> 
             t_rollout = time.time() - t0
             weight = grpo.overlong_shaping(groups, rl_cfg)
             adv_PG = grpo.advantages(groups, rl_cfg.estimator)
+            # Every process sampled and scored the same global prompts; each packs its share.
+            mine = _process_share(groups.P)
+            mine_samples = np.repeat(mine, groups.group_size)
+            local = groups.take(mine)
             rows_multiple = rl_cfg.minibatches * rl_cfg.micro_batches * shards
-            rows, layout = grpo.update_rows(groups, adv_PG, weight, row_len=rl_cfg.row_len,
-                                            rows_multiple=rows_multiple,
-                                            use_sampler_logp=use_sampler_logp)
+            pack = lambda min_rows: grpo.update_rows(  # noqa: E731
+                local, adv_PG[mine], weight[mine_samples], row_len=rl_cfg.row_len,
+                rows_multiple=rows_multiple, use_sampler_logp=use_sampler_logp,
+                min_rows=min_rows)
+            rows, layout = pack(0)
+            # Every process must feed the same number of rows into the global batch.
+            n_rows = distributed.max_over_processes(rows["tokens"].shape[0])
+            if n_rows != rows["tokens"].shape[0]:
+                rows, layout = pack(n_rows)
             batch = _put_batch(r, rows)
             if needs_old and not use_sampler_logp:
                 batch["old_logp"] = logp_fn(state.params, batch)
@@ -229,6 +241,7 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> 
             if evaluator and (step % config.eval.every == 0 or step == steps):
                 m.update(evaluator(state.params, step, pool))
             metrics = r.writer.write(offset + step, m)
+            distributed.beat(f"grpo step {offset + step}")
             r.writer.samples(offset + step, [
                 {"prompt": r.tokenizer.decode(groups.prompt_ids[i // groups.group_size]),
                  "completion": groups.texts[i], "reward": float(groups.rewards_PG.flat[i]),
@@ -253,7 +266,7 @@ def collect(r: Run, params, it, pool, step: int, stats: dict):
     rl_cfg = r.config.rl
     parts, m, draws = [], {}, 0
     while True:
-        batch = next(it)
+        batch = _global_batch(next(it))
         seed = r.config.seed * 1_000_003 + step * 101 + draws
         groups = grpo.sample(r.model_cfg, params, batch, group_size=rl_cfg.group_size,
                              rl_cfg=rl_cfg, rollout_cfg=r.config.rollout, eos_ids=r.eos_ids,
@@ -284,6 +297,29 @@ def collect(r: Run, params, it, pool, step: int, stats: dict):
     return merged.take(keep_P), m
 
 
+def _global_batch(batch: dict) -> dict:
+    """Every process's prompt batch joined, in process order, on every process.
+
+    A multi-controller run must launch the same programs on the same inputs everywhere: the
+    rollout's prefill buckets, decode calls and dynamic-sampling decisions all depend on the
+    prompts, so every process decodes the global batch (same seed, same samples) and later
+    keeps its own share for the update."""
+    if jax.process_count() == 1:
+        return batch
+    parts = distributed.allgather_objects(
+        {k: batch[k] for k in ("prompt_ids", "answer", "task", "metadata")})
+    return {k: [x for p in parts for x in p[k]] for k in parts[0]}
+
+
+def _process_share(P: int) -> np.ndarray:
+    """[P] bool: the prompts whose samples this process packs and feeds."""
+    n, i = jax.process_count(), jax.process_index()
+    per = P // n
+    mine = np.zeros(P, bool)
+    mine[i * per:(i + 1) * per] = True
+    return mine
+
+
 def _updates(update_fn, state, batch, rl_cfg):
     """epochs x minibatches of update_step over the packed rows."""
     B = batch["tokens"].shape[0]
@@ -305,12 +341,15 @@ class Evaluator:
         self.batches = None
         it = ex.prompt_iterator(r.config, r.tokenizer, r.mesh, split="eval")
         if it is not None:
-            self.batches = []
+            local = []
             try:
                 while True:
-                    self.batches.append(next(it))
+                    local.append(next(it))
             except StopIteration:
                 pass
+            # The same prompts on every process (see _global_batch), in one flat list.
+            parts = distributed.allgather_objects(local)
+            self.batches = [b for p in parts for b in p]
 
     def __call__(self, params, step: int, pool) -> dict:
         if not self.batches:

@@ -87,10 +87,13 @@ class MetricsWriter:
         keys = [k for k in self.PLOT_KEYS.get(phase, ("loss",)) if any(k in r for r in rows)]
         if not rows or not keys:
             return None
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.6 * len(keys)), squeeze=False)
+        # A bare Figure with its own Agg canvas: the process-wide backend (a notebook's
+        # inline one, say) is left alone.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        fig = Figure(figsize=(7, 2.6 * len(keys)))
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(len(keys), 1, squeeze=False)
         for ax, key in zip(axes[:, 0], keys):
             pts = [(r["step"], r[key]) for r in rows if key in r]
             ax.plot(*zip(*pts), marker=".")
@@ -104,7 +107,6 @@ class MetricsWriter:
         fig.tight_layout()
         path = os.path.join(self.workdir, f"{phase}_curves.png")
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         return path
 
     def close(self):
