@@ -67,7 +67,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.messages_field = ""       # a list of chat messages instead of a prompt string
     c.data.system_prompt = ""
     c.data.task = "kv_retrieval"     # synthetic task: kv_retrieval | arithmetic
-    c.data.task_kwargs = ml_collections.ConfigDict(dict(num_pairs=8, min_pairs=4))
+    c.data.task_kwargs = ml_collections.ConfigDict(dict(num_pairs=4, min_pairs=2, key_len=2, value_len=2))
     c.data.size = 100_000            # synthetic examples
     c.data.eval_size = 64            # held-out synthetic examples (other seed)
     c.data.eval_paths = ""           # held-out jsonl/parquet for real data

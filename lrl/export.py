@@ -35,7 +35,6 @@ from etils import epath
 
 from lrl import checkpoint as ckpt_lib
 from lrl import models
-from lrl.models import config as config_lib
 
 log = logging.getLogger("lrl.export")
 

@@ -1,7 +1,6 @@
 """Tokenizer, synthetic tasks, file sources and the grain prompt / SFT pipelines (CPU)."""
 import json
 import logging
-import os
 import re
 
 import numpy as np
@@ -9,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lrl.data import packing, prompts, sources, synthetic, tokenizer
+from lrl.data import prompts, sources, synthetic, tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """The decoder against transformers' PyTorch models, packed rows, sharded forwards, HF I/O."""
 import json
-import os
 
 import jax
 import jax.numpy as jnp

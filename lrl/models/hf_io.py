@@ -194,7 +194,12 @@ def load_hf(path: str, dtype=jnp.float32, mesh=None, **overrides):
     `dtype` is the parameter dtype (and the compute dtype unless `overrides` says otherwise).
     """
     cfg = config_lib.from_hf_dir(path, **{"param_dtype": dtype, "dtype": dtype, **overrides})
-    st = SafetensorsDir(path)
+    return cfg, load_params(cfg, SafetensorsDir(path), mesh)
+
+
+def load_params(cfg: ModelConfig, st, mesh=None):
+    """The decoder's parameter tree read from `st` (anything with `get` / `in` by HF tensor
+    name), each array placed shard by shard in its sharding on `mesh` (or on device 0)."""
     shapes = abstract_params(cfg)
     if mesh is not None:
         shardings = param_shardings(cfg, mesh, shapes)
@@ -208,8 +213,7 @@ def load_hf(path: str, dtype=jnp.float32, mesh=None, **overrides):
         load = _leaf_loader(cfg, st, names, np_dtype)
         return jax.make_array_from_callback(shape.shape, sharding, load)
 
-    params = jax.tree_util.tree_map_with_path(place, shapes, shardings)
-    return cfg, params
+    return jax.tree_util.tree_map_with_path(place, shapes, shardings)
 
 
 # ----------------------------------------------------------------------------- saving

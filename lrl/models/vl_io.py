@@ -19,7 +19,6 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from lrl.models import config as config_lib
 from lrl.models import hf_io
-from lrl.models.params import abstract_params, param_shardings
 from lrl.models.vision import VisionConfig, from_hf_vision_dict, vision_param_shapes
 from lrl.models.vl import VLConfig
 
@@ -158,20 +157,7 @@ def load_hf_vl(path: str, dtype=jnp.float32, mesh=None, **text_overrides):
                                            **text_overrides})
     cfg = vl_cfg.text
     st = _Renamed(hf_io.SafetensorsDir(path))
-    shapes = abstract_params(cfg)
-    if mesh is not None:
-        shardings = param_shardings(cfg, mesh, shapes)
-    else:
-        one = SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: one, shapes)
-    np_dtype = np.dtype(jnp.dtype(cfg.param_dtype))
-
-    def place(path_keys, shape, sharding):
-        names = tuple(getattr(k, "key", str(k)) for k in path_keys)
-        # hf_io's own HF<->lrl table, so the text tree matches lrl text models exactly.
-        load = hf_io._leaf_loader(cfg, st, names, np_dtype)
-        return jax.make_array_from_callback(shape.shape, sharding, load)
-
-    text = jax.tree_util.tree_map_with_path(place, shapes, shardings)
+    # hf_io's own HF<->lrl table, so the text tree matches lrl text models exactly.
+    text = hf_io.load_params(cfg, st, mesh)
     vision = load_vision(vl_cfg.vision, st, vl_cfg.vision.param_dtype, mesh)
     return vl_cfg, {"text": text, "vision": vision}
