@@ -11,6 +11,12 @@ The B rows are split into `num_micro` micro-batches whose gradients a `lax.scan`
 loss denominators are computed once over all B rows (all data shards: under jit the batch is
 one global array), so the step equals the one-big-batch step.
 
+Vision-language batches (optional) add `visual_index` [B, T] (row of the visual table each
+token reads, -1 for text) and carry `positions` as [B, 3, T] M-RoPE positions (rows first, so
+they split into micro-batches like every other key). The visual table [R, D] is a separate
+argument, shared by all micro-batches: the frozen vision tower's cached output
+(`lrl.models.embed_cache`), which gets no gradient.
+
 Dimension letters: B batch rows · T positions · D model width · V vocabulary ·
 M micro-batches.
 """
@@ -30,7 +36,7 @@ from lrl.rl import losses, optim
 from lrl.rl.logprobs import token_logprobs_and_entropy
 
 REQUIRED_KEYS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "advantages")
-OPTIONAL_KEYS = ("old_logp", "ref_logp", "rollout_logp")
+OPTIONAL_KEYS = ("old_logp", "ref_logp", "rollout_logp", "visual_index")
 
 
 class TrainState(NamedTuple):
@@ -46,7 +52,9 @@ def _check_batch(batch, num_micro: int, required=REQUIRED_KEYS, optional=OPTIONA
         raise ValueError(f"update: batch is missing {missing} / has unknown keys {unknown}; "
                          f"keys are {required} and optionally {optional}")
     shape = batch["tokens"].shape
-    bad = {k: v.shape for k, v in batch.items() if v.shape != shape or len(shape) != 2}
+    mrope = "visual_index" in batch   # positions [B, 3, T]
+    want = lambda k: (shape[0], 3, shape[1]) if mrope and k == "positions" else shape  # noqa: E731
+    bad = {k: v.shape for k, v in batch.items() if v.shape != want(k) or len(shape) != 2}
     if bad:
         raise ValueError(f"update: every batch array must be [B, T] = {shape}, got {bad}")
     if num_micro < 1 or shape[0] % num_micro:
@@ -72,11 +80,21 @@ def _constrain(tree, mesh):
         x, mesh_lib.batch_sharding(mesh, x.ndim)), tree)
 
 
-def _token_logprobs(model_cfg, params, mb, mesh, chunk, compute_entropy, packed=True):
+def _token_logprobs(model_cfg, params, mb, mesh, chunk, compute_entropy, packed=True,
+                    visual_table_RD=None):
     # packed=False: every row is one sequence, so attention needs no segment mask (cuDNN's
     # plain causal kernel instead of its packed layout); the loss still reads segment_ids.
-    x_BTD = models.hidden_states(model_cfg, params, mb["tokens"], mb["positions"],
-                                 mb["segment_ids"] if packed else None, mesh)
+    if "visual_index" in mb:
+        if visual_table_RD is None:
+            raise ValueError("update: the batch has visual_index but no visual table was given")
+        from lrl.models import vl
+        x_BTD = vl.vl_hidden_states(model_cfg, params, mb["tokens"],
+                                    jnp.swapaxes(mb["positions"], 0, 1), mb["segment_ids"],
+                                    jax.lax.stop_gradient(visual_table_RD), mb["visual_index"],
+                                    mesh)
+    else:
+        x_BTD = models.hidden_states(model_cfg, params, mb["tokens"], mb["positions"],
+                                     mb["segment_ids"] if packed else None, mesh)
     w_DV = models.unembedding(model_cfg, params).astype(x_BTD.dtype)
     if mesh is not None:
         # Gather D (fsdp) once, before the chunk loop, instead of once per chunk inside it;
@@ -95,9 +113,10 @@ def _metric_identity(shapes):
             for k, s in shapes.items()}
 
 
-def update_step(state: TrainState, batch, *, model_cfg, loss_cfg: losses.LossConfig,
-                tx: optax.GradientTransformation, mesh=None, num_micro: int = 1,
-                chunk: int = 1024, compute_entropy: bool = True, packed: bool = True):
+def update_step(state: TrainState, batch, visual_table_RD=None, *, model_cfg,
+                loss_cfg: losses.LossConfig, tx: optax.GradientTransformation, mesh=None,
+                num_micro: int = 1, chunk: int = 1024, compute_entropy: bool = True,
+                packed: bool = True):
     """One optimizer step on a minibatch of packed rows -> (new state, metrics).
 
     Gradients are taken with respect to the master params (the model casts them to
@@ -123,7 +142,7 @@ def update_step(state: TrainState, batch, *, model_cfg, loss_cfg: losses.LossCon
     def micro_loss(params, mb):
         mb = _constrain(mb, mesh)
         return terms(*_token_logprobs(model_cfg, params, mb, mesh, chunk, compute_entropy,
-                                      packed), mb)
+                                      packed, visual_table_RD), mb)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     micro = _micro_split(batch, num_micro)
@@ -153,15 +172,19 @@ def update_step(state: TrainState, batch, *, model_cfg, loss_cfg: losses.LossCon
     return TrainState(state.step + 1, params, opt_state), metrics
 
 
-def logprobs(params, batch, *, model_cfg, mesh=None, num_micro: int = 1, chunk: int = 1024):
+def logprobs(params, batch, visual_table_RD=None, *, model_cfg, mesh=None, num_micro: int = 1,
+             chunk: int = 1024):
     """Forward-only token log-probs [B, T] (fp32) of `batch["targets"]`: the old policy's
-    or the reference's. Uses tokens, positions, segment_ids, targets; other keys are ignored."""
+    or the reference's. Uses tokens, positions, segment_ids, targets (and visual_index with
+    the visual table); other keys are ignored."""
     keys = ("tokens", "positions", "segment_ids", "targets")
+    keys += ("visual_index",) if "visual_index" in batch else ()
     _check_batch(batch, num_micro, required=keys, optional=None)
     sub = {k: batch[k] for k in keys}
 
     def one(mb):
-        return _token_logprobs(model_cfg, params, _constrain(mb, mesh), mesh, chunk, False)[0]
+        return _token_logprobs(model_cfg, params, _constrain(mb, mesh), mesh, chunk, False,
+                               visual_table_RD=visual_table_RD)[0]
 
     logp_MBT = jax.lax.map(one, _micro_split(sub, num_micro))
     return _micro_merge(logp_MBT)
@@ -200,7 +223,8 @@ def make_init_fn(model_cfg, tx, mesh=None):
 def make_update_fn(model_cfg, loss_cfg, tx, mesh=None, *, num_micro: int = 1,
                    chunk: int = 1024, compute_entropy: bool = True, packed: bool = True):
     """update_step jitted once: the state is donated; with a mesh, the state keeps its
-    sharding, batch rows go over (data, fsdp) and positions over seq, metrics are replicated."""
+    sharding, batch rows go over (data, fsdp) and positions over seq, metrics are replicated.
+    Vision-language batches (`fn(state, batch, visual_table)`) run without a mesh for now."""
     step = functools.partial(update_step, model_cfg=model_cfg, loss_cfg=loss_cfg, tx=tx,
                              mesh=mesh, num_micro=num_micro, chunk=chunk,
                              compute_entropy=compute_entropy, packed=packed)

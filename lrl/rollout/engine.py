@@ -17,6 +17,12 @@ How a prompt of T tokens becomes G samples:
 - `generate` runs decode steps for all live slots at once; a slot stops by itself on an end
   token or its length limit. `free` returns its pages.
 
+Multimodal prompts (optional): a prefix may carry its input embeddings [T, D] (visual rows
+already spliced in, `lrl.models.vl.embed_tokens`) and M-RoPE positions [3, T]. Prefill then
+feeds those embeddings with those rotary positions, and each slot keeps a rope delta: a decode
+step at cache index `length` rotates by `length + rope_delta` (all three components equal,
+since generated tokens are text). Text prompts have delta 0 and run exactly as before.
+
 Weights are whatever arrays the caller passes (sharded for training or not): the engine never
 copies them. With a mesh, the pool is split over kv heads on the `tensor` axis and XLA
 partitions the step; a decode-specific weight layout would be a reshard on the same mesh.
@@ -93,6 +99,7 @@ class DecodeState(NamedTuple):
     remaining: jax.Array    # [S] int32: tokens still to sample
     sample_ids: jax.Array   # [S] int32: who the slot samples for (key derivation)
     steps: jax.Array        # [S] int32: tokens sampled so far (key derivation)
+    rope_delta: jax.Array   # [S] int32: rotary position minus cache index (M-RoPE prompts)
 
 
 class StepOutput(NamedTuple):
@@ -139,9 +146,11 @@ def _page_of(table_BM, pos_BT, valid_BT, page_size):
 @functools.partial(jax.jit, static_argnames=("cfg", "ecfg", "first"),
                    donate_argnames=("k_pages", "v_pages"))
 def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_valid_B, table_BM,
-                  first: bool):
+                  first: bool, embeds_BCD=None, rope_pos_3BC=None):
     """Writes the KV of tokens [start, start + n_valid) of each row into its pages. `first`:
-    every row starts at 0, so the chunk attends only to itself (flash attention on GPU)."""
+    every row starts at 0, so the chunk attends only to itself (flash attention on GPU).
+    Multimodal rows pass their input embeddings and M-RoPE positions instead of using the
+    token embeddings and the cache index as rotary position."""
     C = tokens_BC.shape[1]
     pos_BC = start_B[:, None] + jnp.arange(C, dtype=jnp.int32)
     valid_BC = jnp.arange(C)[None, :] < n_valid_B[:, None]
@@ -154,7 +163,10 @@ def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_val
         return pa.paged_attention_xla(q, pos_BC, kp, vp, table_BM, kv_len_B, base,
                                       ecfg.prefill_block_pages)
 
-    _, k_pages, v_pages = _run_layers(cfg, params, _embed(cfg, params, tokens_BC), pos_BC,
+    x_BCD = (_embed(cfg, params, tokens_BC) if embeds_BCD is None
+             else embeds_BCD.astype(cfg.dtype))
+    rope_pos = pos_BC if rope_pos_3BC is None else rope_pos_3BC
+    _, k_pages, v_pages = _run_layers(cfg, params, x_BCD, rope_pos,
                                       k_pages, v_pages, page_BC, offset_BC, attend,
                                       ecfg.layer_unroll)
     return k_pages, v_pages
@@ -171,7 +183,8 @@ def _decode_step(cfg, ecfg, params, state: DecodeState, rng):
                                    impl=ecfg.attention_impl, pages_per_block=ecfg.decode_block_pages,
                                    k_splits=ecfg.pallas_k_splits)
 
-    x, kp, vp = _run_layers(cfg, params, _embed(cfg, params, state.tokens[:, None]), pos_B1,
+    rope_B1 = pos_B1 + state.rope_delta[:, None]   # text tokens: one position for t, h, w
+    x, kp, vp = _run_layers(cfg, params, _embed(cfg, params, state.tokens[:, None]), rope_B1,
                             state.k_pages, state.v_pages, page_B1, offset_B1, attend,
                             ecfg.layer_unroll)
     norm = RMSNorm(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
@@ -213,7 +226,7 @@ def decode_steps(cfg, ecfg, params, state: DecodeState, rng, num_steps: int):
 
 @functools.partial(jax.jit, static_argnames=("num_layers",), donate_argnames=("state",))
 def insert_slots(state: DecodeState, slot_B, row_BM, length_B, token_B, remaining_B, sample_B,
-                 copy_src_B, copy_dst_B, num_layers: int):
+                 copy_src_B, copy_dst_B, num_layers: int, delta_B=None):
     """Copies each new slot's partial prompt page (all layers) and sets its row. Padding rows
     carry slot index S (dropped) and copy the null page onto itself."""
     P = state.k_pages.shape[1] // num_layers
@@ -227,7 +240,8 @@ def insert_slots(state: DecodeState, slot_B, row_BM, length_B, token_B, remainin
         lengths=put(state.lengths, length_B), tokens=put(state.tokens, token_B),
         active=put(state.active, jnp.ones_like(slot_B, bool)),
         remaining=put(state.remaining, remaining_B), sample_ids=put(state.sample_ids, sample_B),
-        steps=put(state.steps, jnp.zeros_like(slot_B)))
+        steps=put(state.steps, jnp.zeros_like(slot_B)),
+        rope_delta=put(state.rope_delta, jnp.zeros_like(slot_B) if delta_B is None else delta_B))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -241,7 +255,7 @@ def _zero_state(cfg, ecfg) -> DecodeState:
     pool = (cfg.n_kv_heads, cfg.n_layers * ecfg.num_pages, ecfg.page_size, cfg.head_dim)
     i32 = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
     return DecodeState(jnp.zeros(pool, cfg.dtype), jnp.zeros(pool, cfg.dtype), i32(S, M), i32(S),
-                       i32(S), jnp.zeros(S, bool), i32(S), i32(S), i32(S))
+                       i32(S), jnp.zeros(S, bool), i32(S), i32(S), i32(S), i32(S))
 
 
 # ----------------------------------------------------------------------------- host side
@@ -254,10 +268,19 @@ class Prefix:
     partial: bool             # whether the last of `pages` is only partly filled
     closed: bool = False      # its last sample has been reserved
     holds: list[int] = None   # pages this prefix still holds a reference to
+    embeds: Optional[jax.Array] = None     # [T, D] input embeddings (multimodal prompts)
+    positions: Optional[np.ndarray] = None  # [3, T] M-RoPE positions (multimodal prompts)
 
     def __post_init__(self):
         if self.holds is None:
             self.holds = list(self.pages)
+
+    @property
+    def rope_delta(self) -> int:
+        """Rotary position minus cache index of the tokens after the prompt."""
+        if self.positions is None:
+            return 0
+        return int(self.positions[0, -1]) - (len(self.tokens) - 1)
 
     @property
     def cached(self) -> int:
@@ -330,14 +353,28 @@ class Engine:
         return make(self.cfg, self.ecfg)
 
     # ---- prefill
-    def reserve_prefix(self, tokens) -> Prefix:
+    def reserve_prefix(self, tokens, embeds=None, positions=None) -> Prefix:
+        """Pages for a prompt; a multimodal one also gives its input embeddings [T, D] and
+        M-RoPE positions [3, T] (its last token must be text: it is decoded by token id)."""
         tokens = np.asarray(tokens, np.int32)
         if tokens.ndim != 1 or tokens.size < 1:
             raise ValueError(f"a prompt must be a non-empty 1-D token sequence, got shape "
                              f"{tokens.shape}")
+        if (embeds is None) != (positions is None):
+            raise ValueError("a multimodal prompt needs both embeds and positions")
+        if embeds is not None:
+            positions = np.asarray(positions, np.int32)
+            T = tokens.size
+            if embeds.shape != (T, self.cfg.d_model) or positions.shape != (3, T):
+                raise ValueError(f"multimodal prompt of {T} tokens: embeds {embeds.shape} must "
+                                 f"be {(T, self.cfg.d_model)}, positions {positions.shape} "
+                                 f"must be {(3, T)}")
+            if len(set(positions[:, -1].tolist())) != 1:
+                raise ValueError(f"multimodal prompt: its last token is not text (positions "
+                                 f"{positions[:, -1].tolist()}); end prompts with a text token")
         n = tokens.size - 1
         return Prefix(tokens, self.pool.alloc(self.prefix_pages(tokens.size)),
-                      partial=n % self.ecfg.page_size != 0)
+                      partial=n % self.ecfg.page_size != 0, embeds=embeds, positions=positions)
 
     def _row(self, pages) -> np.ndarray:
         row = np.full(self.ecfg.pages_per_slot, NULL_PAGE, np.int32)
@@ -354,11 +391,12 @@ class Engine:
                 continue
             if pre.cached <= e.prefill_chunk:
                 bucket = max(e.min_prefill_bucket, 1 << (pre.cached - 1).bit_length())
-                short.setdefault(bucket, []).append(pre)
+                # Multimodal prefixes go in calls of their own (embeddings in, not ids).
+                short.setdefault((bucket, pre.embeds is not None), []).append(pre)
             else:
                 long.append(pre)
         kp, vp = state.k_pages, state.v_pages
-        for bucket, group in sorted(short.items()):
+        for (bucket, _), group in sorted(short.items()):
             rows = max(1, e.prefill_chunk // bucket)
             for i in range(0, len(group), rows):
                 part = group[i:i + rows]
@@ -379,8 +417,24 @@ class Engine:
             tokens[r, :chunk.size] = chunk
             n_valid[r] = chunk.size
             table[r] = self._row(pre.pages)
+        embeds = rope = None
+        if prefixes[0].embeds is not None:
+            D = self.cfg.d_model
+            rope = np.zeros((3, B, C), np.int32)
+            parts = []
+            for r in range(B):
+                pre = prefixes[r] if r < len(prefixes) else None
+                n = int(n_valid[r])
+                if pre is not None:
+                    rope[:, r, :n] = pre.positions[:, start:start + n]
+                    e = pre.embeds[start:start + n].astype(self.cfg.dtype)
+                else:
+                    e = jnp.zeros((0, D), self.cfg.dtype)
+                parts.append(jnp.pad(e, ((0, C - n), (0, 0))))
+            embeds = jnp.stack(parts)
         return prefill_chunk(self.cfg, self.ecfg, params, kp, vp, tokens,
-                             np.full(B, start, np.int32), n_valid, table, first=first)
+                             np.full(B, start, np.int32), n_valid, table, first=first,
+                             embeds_BCD=embeds, rope_pos_3BC=rope)
 
     def prefill(self, params, decode_state: DecodeState, tokens):
         """-> (prefix, decode_state). Unlike JetStream's prefill it takes the decode state:
@@ -418,14 +472,16 @@ class Engine:
         S = self.ecfg.max_slots
         slot = np.full(S, S, np.int32)                  # index S: dropped
         rows = np.zeros((S, self.ecfg.pages_per_slot), np.int32)
-        length, token, remaining, sample_id, src, dst = (np.zeros(S, np.int32) for _ in range(6))
+        length, token, remaining, sample_id, src, dst, delta = (np.zeros(S, np.int32)
+                                                                for _ in range(7))
         for i, p in enumerate(plans):
             slot[i], rows[i] = p.slot, self._row(p.pages)
             length[i], token[i] = p.prefix.cached, p.prefix.tokens[-1]
             remaining[i], sample_id[i] = p.max_new_tokens, p.sample_id
             src[i], dst[i] = p.copy_src, p.copy_dst
+            delta[i] = p.prefix.rope_delta
         return insert_slots(state, slot, rows, length, token, remaining, sample_id, src, dst,
-                            num_layers=self.cfg.n_layers)
+                            num_layers=self.cfg.n_layers, delta_B=delta)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slots, *, sample_ids=None,
                max_new_tokens: int, last: bool = False) -> DecodeState:

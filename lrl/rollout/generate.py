@@ -10,6 +10,10 @@ decode calls the host collects finished slots (end token or length limit), retur
 pages and refills them from the waiting samples. Sample g of prompt p draws its tokens with
 keys derived from (seed, p * num_samples + g, step), whatever slot it lands in.
 
+Multimodal prompts pass `prompt_embeds` (per prompt [T, D], visual rows spliced in) and
+`prompt_positions` (per prompt [3, T] M-RoPE positions); the prefill reads them once per
+prompt and its G samples decode at rotary position `index + rope delta`.
+
 P prompts · G samples per prompt · S slots.
 """
 from __future__ import annotations
@@ -61,7 +65,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
              pool_fraction: Optional[float] = None, prefill_chunk: int = 4096,
              steps_per_call: int = 16, attention_impl: Optional[str] = None,
              decode_block_pages: int = 8, prefill_block_pages: Optional[int] = None,
-             layer_unroll: int = 1, mesh=None, stats: Optional[dict] = None):
+             layer_unroll: int = 1, mesh=None, stats: Optional[dict] = None,
+             prompt_embeds: Optional[Sequence] = None,
+             prompt_positions: Optional[Sequence] = None):
     """-> [P][G] list of (token ids int32, log-probs float32) per sample.
 
     The pool holds `pool_tokens` tokens, or `pool_fraction` of free device memory, or by
@@ -75,6 +81,12 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     prompts = _check_prompts(prompts, cfg.vocab_size)
     P, G = len(prompts), num_samples
+    if (prompt_embeds is None) != (prompt_positions is None):
+        raise ValueError("generate: multimodal prompts need both prompt_embeds and "
+                         "prompt_positions")
+    if prompt_embeds is not None and not len(prompt_embeds) == len(prompt_positions) == P:
+        raise ValueError(f"generate: {P} prompts but {len(prompt_embeds)} prompt_embeds and "
+                         f"{len(prompt_positions)} prompt_positions")
     if P == 0:
         return []
     S = max_slots or min(P * G, 256)
@@ -120,7 +132,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             if engine.pool.num_free < need:
                 break
             if p not in open_prefix:
-                open_prefix[p] = engine.reserve_prefix(prompts[p])
+                open_prefix[p] = engine.reserve_prefix(
+                    prompts[p], *((prompt_embeds[p], prompt_positions[p])
+                                  if prompt_embeds is not None else ()))
                 new_prefixes.append(open_prefix[p])
                 st["prompt_pages"] += len(open_prefix[p].pages)
                 st["prefill_tokens"] += T - 1
