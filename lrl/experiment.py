@@ -19,7 +19,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 
 def check_config(config) -> None:
     """Fails fast, before any compile or training, on values that would only break later."""
-    choices = {"job": (config.job, ("grpo", "sft")),
+    choices = {"job": (config.job, ("grpo", "sft", "grpo_video")),
                "data.source": (config.data.source, ("synthetic", "jsonl", "parquet")),
                "rl.overlong": (config.rl.overlong, ("none", "mask", "penalty")),
                "model.dtype": (config.model.dtype, tuple(_DTYPES)),

@@ -49,6 +49,9 @@ class Run:
 
 def run(config, workdir: str) -> dict:
     """Runs the configured job; returns the last metrics of each phase."""
+    if config.job == "grpo_video":  # vision-language GRPO (configs/video_synthetic.py)
+        from lrl import vl_grpo
+        return vl_grpo.run(config, workdir)
     ex.check_config(config)
     os.makedirs(workdir, exist_ok=True)
     mesh = ex.build_mesh(config)
