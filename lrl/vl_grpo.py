@@ -264,6 +264,7 @@ def run(config, workdir: str) -> dict:
                 {"prompt": recs[i // G]["prompt"], "completion": groups.texts[i],
                  "reward": float(groups.rewards_PG.flat[i]), "answer": recs[i // G]["answer"]}
                 for i in range(min(config.metrics.samples_per_step, len(groups.texts)))])
+        writer.plot("grpo")
     finally:
         pool.close()
         writer.close()
