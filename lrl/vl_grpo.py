@@ -89,7 +89,9 @@ def build_policy(config, tokenizer):
     dt = dict(dtype=ex.dtype(m.dtype), param_dtype=ex.dtype(m.param_dtype), remat="none")
     if m.hf_path:
         # compute dtype = parameter dtype here (load_hf_vl's `dtype` sets both)
-        return vl_io.load_hf_vl(m.hf_path, dt["param_dtype"], remat="none")
+        vl_cfg, params = vl_io.load_hf_vl(m.hf_path, dt["param_dtype"], remat="none")
+        _check_token_ids(vl_cfg, tokenizer, m.hf_path)
+        return vl_cfg, params
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     text = models.ModelConfig(
         model_type="qwen2", vocab_size=len(tokenizer), d_model=m.d_model, n_layers=m.n_layers,
@@ -106,6 +108,17 @@ def build_policy(config, tokenizer):
     k_text, k_vis = jax.random.split(jax.random.key(config.seed))
     return vl_cfg, {"text": models.init_params(text, k_text),
                     "vision": vision.init_vision_params(vcfg, k_vis)}
+
+
+def _check_token_ids(vl_cfg, tokenizer, where: str) -> None:
+    """The tokenizer's vision tokens must be the ids the checkpoint was trained with."""
+    want = dict(zip(VISION_TOKENS, (vl_cfg.vision_start_token_id, vl_cfg.vision_end_token_id,
+                                    vl_cfg.image_token_id, vl_cfg.video_token_id)))
+    got = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    if got != want or len(tokenizer) > vl_cfg.text.vocab_size:
+        raise ValueError(f"tokenizer does not fit the model in {where}: vision token ids "
+                         f"{got} vs the model's {want}; {len(tokenizer)} tokens for a "
+                         f"vocabulary of {vl_cfg.text.vocab_size}")
 
 
 def vision_settings(vl_cfg: vl.VLConfig, v) -> video_lib.VisionSettings:
@@ -186,7 +199,7 @@ def run(config, workdir: str) -> dict:
                                          num_micro=rl_cfg.micro_batches))
                if needs_old or loss_cfg.kl_coef else None)
     ref_params = jax.tree.map(lambda x: x.copy(), state.params) if loss_cfg.kl_coef else None
-    eos_ids = text_cfg.eos_token_ids
+    eos_ids = text_cfg.eos_token_ids or (tokenizer.eos_token_id,)
     pool = ex.reward_pool(config)
     writer = MetricsWriter(workdir, rl_cfg.steps, tensorboard=config.metrics.tensorboard)
     P, G = rl_cfg.prompts_per_step, rl_cfg.group_size

@@ -129,3 +129,39 @@ def test_video_grpo_steps_end_to_end(tmp_path, monkeypatch, caplog):
     recs = video_task.video_dataset(v.task, c.seed, 3, str(videos),
                                     num_frames=v.frames_in_file, frame=v.frame)
     assert all(os.path.isfile(r["video"]) for r in recs)
+
+
+def test_video_grpo_from_a_local_hf_checkpoint(tmp_path):
+    """model.hf_path: a (tiny, random) transformers Qwen2.5-VL directory and its tokenizer."""
+    import pytest
+    import torch
+    import transformers
+
+    from lrl import vl_grpo
+    c = _config("runlocal")
+    tok = vl_grpo.build_tokenizer(c, str(tmp_path / "trained"))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in vl_grpo.VISION_TOKENS}
+    hf_cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                          "mrope_section": [2, 3, 3]},
+                         bos_token_id=None, eos_token_id=tok.eos_token_id),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2,
+                           out_hidden_size=64, window_size=56, fullatt_block_indexes=[0],
+                           tokens_per_second=2),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(0)
+    transformers.Qwen2_5_VLForConditionalGeneration(hf_cfg).float().save_pretrained(
+        str(tmp_path / "hf"))
+    c.model.hf_path = str(tmp_path / "hf")
+    c.tokenizer.path = str(tmp_path / "trained" / "tokenizer")
+    c.rl.steps, c.optim.warmup_steps = 1, 1
+    m = vl_grpo.run(c, str(tmp_path / "run"))
+    assert m["vision/encoded_items"] == c.rl.prompts_per_step
+    assert all(np.isfinite(x) for x in m.values())
+    assert abs(m["ratio_max"] - 1) < 1e-4 and abs(m["ratio_min"] - 1) < 1e-4
+    vl_cfg, _ = vl_grpo.build_policy(c, tok)
+    with pytest.raises(ValueError, match="vision token ids"):
+        vl_grpo._check_token_ids(vl_cfg.replace(video_token_id=5), tok, "here")
