@@ -72,7 +72,7 @@ def build_tokenizer(config, workdir: str):
         return tok_lib.load_tokenizer(out)
     from lrl.data.synthetic import synthetic_corpus
     corpus = synthetic_corpus(2000, seed=config.seed, tasks=(config.data.task,),
-                              task_kwargs={config.data.task: dict(config.data.task_kwargs)})
+                              task_kwargs={config.data.task: task_kwargs(config)})
     # Only process 0 writes; the others train the same deterministic tokenizer in memory.
     return tok_lib.build_tokenizer(corpus, config.tokenizer.vocab_size,
                                    out_dir=out if jax.process_index() == 0 else None)
@@ -110,13 +110,21 @@ def _file_fields(config, paths: str, **extra):
                 system_prompt=d.system_prompt or None, **extra)
 
 
+def task_kwargs(config) -> dict:
+    """The synthetic task's arguments: `data.task_kwargs` holds one entry per task."""
+    if config.data.task not in config.data.task_kwargs:
+        raise ValueError(f"data.task={config.data.task!r} has no entry in data.task_kwargs "
+                         f"(entries: {sorted(config.data.task_kwargs)})")
+    return dict(config.data.task_kwargs[config.data.task])
+
+
 def prompt_source(config, split: str = "train"):
     from lrl.data import sources
     d = config.data
     if d.source == "synthetic":
         seed = config.seed if split == "train" else config.seed + 10_000
         size = d.size if split == "train" else d.eval_size
-        return sources.SyntheticSource(d.task, size, seed=seed, **dict(d.task_kwargs))
+        return sources.SyntheticSource(d.task, size, seed=seed, **task_kwargs(config))
     if d.source not in ("jsonl", "parquet"):
         raise ValueError(f"data.source={d.source!r}; choose synthetic, jsonl or parquet")
     paths = d.paths if split == "train" else d.eval_paths
@@ -136,7 +144,7 @@ def sft_source(config):
         raise ValueError("sft.paths is empty: an SFT phase needs prompt/response records "
                          "(sft.paths) unless data.source='synthetic'")
     return sources.SyntheticSource(config.data.task, config.data.size, seed=config.seed + 1,
-                                   sft=True, **dict(config.data.task_kwargs))
+                                   sft=True, **task_kwargs(config))
 
 
 def prompt_iterator(config, tokenizer, mesh, split: str = "train"):

@@ -29,7 +29,7 @@ def tiny_config(**rl):
     import default
     c = default.get_config("runlocal")
     c.model.update(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64)
-    c.data.task_kwargs.update(num_pairs=3, min_pairs=2)
+    c.data.task_kwargs.arithmetic.update(num_terms=2, min_terms=2)
     c.data.max_prompt_len = 96
     c.tokenizer.vocab_size = 300
     c.sft.update(steps=3, rows=4, row_len=128, warmup_steps=1)
