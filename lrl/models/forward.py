@@ -18,7 +18,7 @@ from lrl.models.config import ModelConfig
 from lrl.models.decoder import Decoder, default_positions, logits_from_hidden
 
 
-def _ring_layout(cfg: ModelConfig, mesh, T: int):
+def ring_layout(cfg: ModelConfig, mesh, T: int):
     """(perm, inverse) when the ring runs sharded, else None."""
     if cfg.attention != "ring" or mesh is None or mesh.shape["seq"] == 1:
         return None
@@ -34,7 +34,7 @@ def hidden_states(cfg: ModelConfig, params, tokens_BT, positions_BT=None,
     if positions_BT is None:
         positions_BT = default_positions(tokens_BT, segment_ids_BT)
     # segment_ids None means one sequence per row: plain causal attention, no mask work.
-    layout = _ring_layout(cfg, mesh, tokens_BT.shape[1])
+    layout = ring_layout(cfg, mesh, tokens_BT.shape[1])
     if layout is not None:
         perm, _ = layout
         tokens_BT, positions_BT = (jnp.take(a, perm, axis=1) for a in (tokens_BT, positions_BT))

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lrl.models.config import ModelConfig
+from lrl.models.forward import ring_layout
 from lrl.models.decoder import Decoder, constrain, default_positions, logits_from_hidden
 from lrl.models.forward import unembedding
 from lrl.models.vision import VisionConfig
@@ -170,14 +171,6 @@ def visual_index(vl_cfg: VLConfig, tokens_BT, segment_ids_BT=None, offsets_BS=No
 
 # ----------------------------------------------------------------------------- forward
 
-def _ring_perm(cfg: ModelConfig, mesh, T: int):
-    if cfg.attention != "ring" or mesh is None or mesh.shape["seq"] == 1:
-        return None
-    from lrl.models import ring
-    perm = ring.zigzag_permutation(T, mesh.shape["seq"])
-    return jnp.asarray(perm), jnp.asarray(ring.inverse_permutation(perm))
-
-
 def embed_tokens(cfg: ModelConfig, text_params, tokens_BT, visual_table_RD=None,
                  visual_index_BT=None):
     """Token embeddings with visual rows spliced in where `visual_index_BT >= 0`."""
@@ -195,7 +188,7 @@ def hidden_from_embeddings(cfg: ModelConfig, text_params, x_BTD, positions, segm
     """lrl's decoder layers and final norm on given input embeddings. `positions` is [B, T] or
     [3, B, T]; inputs and outputs are in natural token order (ring layout handled here)."""
     T = x_BTD.shape[1]
-    layout = _ring_perm(cfg, mesh, T)
+    layout = ring_layout(cfg, mesh, T)
     if layout is not None:
         perm = layout[0]
         x_BTD = jnp.take(x_BTD, perm, axis=1)

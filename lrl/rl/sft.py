@@ -16,11 +16,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lrl import mesh as mesh_lib
 from lrl import models
 from lrl.rl import optim
-from lrl.rl.update import (TrainState, _constrain, _micro_split, _token_logprobs,
-                           train_state_shardings)
+from lrl.rl.update import TrainState, _constrain, _micro_split, _token_logprobs, jit_step
 
 SFT_KEYS = ("tokens", "positions", "segment_ids", "targets", "loss_mask")
 
@@ -70,8 +68,4 @@ def make_sft_fn(model_cfg, tx, mesh=None, *, num_micro: int = 1, chunk: int = 10
     """sft_step jitted once, with the same shardings and donation as the policy update."""
     step = functools.partial(sft_step, model_cfg=model_cfg, tx=tx, mesh=mesh,
                              num_micro=num_micro, chunk=chunk)
-    if mesh is None:
-        return jax.jit(step, donate_argnums=(0,))
-    state_sh = train_state_shardings(model_cfg, tx, mesh)
-    return jax.jit(step, in_shardings=(state_sh, mesh_lib.batch_sharding(mesh, 2)),
-                   out_shardings=(state_sh, mesh_lib.replicated(mesh)), donate_argnums=(0,))
+    return jit_step(step, model_cfg, tx, mesh)

@@ -228,6 +228,13 @@ def make_update_fn(model_cfg, loss_cfg, tx, mesh=None, *, num_micro: int = 1,
     step = functools.partial(update_step, model_cfg=model_cfg, loss_cfg=loss_cfg, tx=tx,
                              mesh=mesh, num_micro=num_micro, chunk=chunk,
                              compute_entropy=compute_entropy, packed=packed)
+    return jit_step(step, model_cfg, tx, mesh)
+
+
+def jit_step(step, model_cfg, tx, mesh=None):
+    """`step(state, batch) -> (state, metrics)` jitted once with the state donated; with a
+    mesh the state keeps its sharding, batch rows go over (data, fsdp) and positions over seq,
+    metrics are replicated."""
     if mesh is None:
         return jax.jit(step, donate_argnums=(0,))
     state_sh = train_state_shardings(model_cfg, tx, mesh)
