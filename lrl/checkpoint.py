@@ -45,8 +45,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import logging
-import signal
-import threading
 import time
 from typing import Any, Optional
 
@@ -57,6 +55,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from lrl.models.config import ModelConfig
+from lrl.preemption import PreemptionGuard, agree_any  # noqa: F401  (PreemptionGuard re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -407,14 +406,6 @@ def _no_step(root, step, steps):
 
 # ----------------------------------------------------------------------------- the manager
 
-def _agree(flag: bool) -> bool:
-    """True on every process when it is True on any (decisions that gate a collective save)."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
-
-
 class CheckpointManager:
     """Saves (asynchronously, keeping the last `keep`) and restores one run's checkpoints.
 
@@ -455,7 +446,7 @@ class CheckpointManager:
         due = bool(self.every_steps) and step > 0 and step % self.every_steps == 0
         if self.every_minutes and not due:
             # Clocks differ between hosts: they must agree, or one host saves alone.
-            due = _agree(time.monotonic() - self._last_time >= 60.0 * self.every_minutes)
+            due = agree_any(time.monotonic() - self._last_time >= 60.0 * self.every_minutes)
         return due or self._mgr.reached_preemption(step)
 
     def save(self, step: int, state, data_state=None, config=None,
@@ -529,52 +520,3 @@ def _sync(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
-
-
-# ----------------------------------------------------------------------------- preemption
-
-class PreemptionGuard:
-    """Turns SIGTERM (the scheduler's notice) into a flag that the loop polls.
-
-    `should_stop(step)` is True, on every process at the same step, once any process got the
-    signal or JAX's preemption sync point (multi-host runs with the coordination service)
-    is reached; the loop then saves and exits.
-    """
-
-    def __init__(self, signals=(signal.SIGTERM,)):
-        self.signals = tuple(signals)
-        self._event = threading.Event()
-        self._previous = {}
-
-    def _handler(self, signum, frame):
-        if not self._event.is_set():
-            log.warning("received %s: will save a checkpoint and stop after this step",
-                        signal.Signals(signum).name)
-        self._event.set()
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in self.signals:
-                self._previous[s] = signal.signal(s, self._handler)
-        else:
-            log.warning("PreemptionGuard outside the main thread: signals are not caught")
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self._previous.items():
-            signal.signal(s, h)
-        self._previous.clear()
-
-    @property
-    def requested(self) -> bool:
-        return self._event.is_set()
-
-    def request(self) -> None:
-        """Asks for a stop as if the signal had arrived (tests, custom triggers)."""
-        self._event.set()
-
-    def should_stop(self, step: int) -> bool:
-        if jax.process_count() == 1:
-            return self.requested
-        # Every process calls both, every step: each is a cross-host agreement.
-        return _agree(self.requested) or ocp.multihost.reached_preemption(step)
