@@ -1,0 +1,45 @@
+"""Long-context GRPO: Qwen2.5-7B on 128K-token rows, attention as a ring over 8 GPUs.
+
+A sample's prompt (a long document and a question) is up to ~120K tokens; each packed row
+spans the `seq` axis, so every GPU holds T/8 tokens of it and ring attention passes K/V
+blocks around (zig-zag layout for causal balance). Rows of
+`{"prompt": <document + question>, "answer": ...}` in a local jsonl.
+
+    python -m lrl.main --config=configs/long_context_ring.py --workdir=/runs/q7-longctx \\
+        --config.model.hf_path=/models/Qwen2.5-7B-Instruct \\
+        --config.tokenizer.path=/models/Qwen2.5-7B-Instruct \\
+        --config.data.paths=/data/longqa/train.jsonl --config.data.eval_paths=/data/longqa/test.jsonl
+"""
+import importlib.util
+import os
+
+
+def _default():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
+    spec = importlib.util.spec_from_file_location("lrl_configs_default", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config()
+
+
+def get_config(arg: str | None = None):
+    if arg:
+        raise ValueError(f"configs/long_context_ring.py takes no argument, got {arg!r}")
+    c = _default()
+    c.model.update(hf_path="", dtype="bfloat16", param_dtype="float32", attention="ring",
+                   remat="full")
+    c.tokenizer.path = ""
+    c.mesh.update(data=1, fsdp=1, seq=8, tensor=1)   # one 8-GPU node: the row spans all 8
+    c.data.update(source="jsonl", paths="", eval_paths="", prompt_field="prompt",
+                  answer_field="answer", max_prompt_len=122880, system_prompt="")
+    c.sft.steps = 0
+    c.rl.update(steps=200, prompts_per_step=8, group_size=8, max_new_tokens=8192,
+                temperature=1.0, epochs=1, minibatches=1, micro_batches=1, row_len=131072,
+                dynamic_sampling=True, overlong="mask")
+    c.rl.loss.update(clip_low=0.2, clip_high=0.28, aggregation="token_mean")
+    c.optim.update(lr=1e-6, warmup_steps=5, weight_decay=0.0, b2=0.999, clip_norm=1.0)
+    c.reward.update(spec="exact:1.0", num_workers=8, timeout_s=10.0)
+    c.rollout.update(page_size=64, max_slots=64, pool_tokens=0)
+    c.eval.update(every=20, num_prompts=64, k=4, temperature=0.6)
+    c.checkpoint.update(every_steps=5, every_minutes=30.0, keep=3)
+    return c

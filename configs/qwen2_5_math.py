@@ -1,0 +1,50 @@
+"""GRPO on math with Qwen2.5 (1.5B or 7B) from a local HF checkpoint and a local jsonl dataset.
+
+Rows of `{"problem": ..., "answer": ...}` (e.g. a MATH / DAPO-17k export); the reward is
+`\\boxed{}` equivalence via math-verify. 16K tokens per sample for 1.5B, 32K for 7B.
+
+    python -m lrl.main --config=configs/qwen2_5_math.py:1.5b --workdir=/runs/q15-math \\
+        --config.model.hf_path=/models/Qwen2.5-1.5B-Instruct \\
+        --config.tokenizer.path=/models/Qwen2.5-1.5B-Instruct \\
+        --config.data.paths=/data/math/train.jsonl --config.data.eval_paths=/data/math/test.jsonl
+
+Use `:7b` (and the 7B paths) for Qwen2.5-7B-Instruct at 32K.
+"""
+import importlib.util
+import os
+
+
+def _default():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
+    spec = importlib.util.spec_from_file_location("lrl_configs_default", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config()
+
+
+def get_config(arg: str | None = "1.5b"):
+    if arg not in ("1.5b", "7b"):
+        raise ValueError(f"configs/qwen2_5_math.py: argument {arg!r}; use '1.5b' or '7b'")
+    c = _default()
+    c.model.update(hf_path="", dtype="bfloat16", param_dtype="float32", attention="dense",
+                   remat="dots_no_batch" if arg == "1.5b" else "full")
+    c.tokenizer.path = ""                      # the model's own directory
+    c.data.update(source="jsonl", paths="", eval_paths="", prompt_field="problem",
+                  answer_field="answer", max_prompt_len=1024,
+                  system_prompt="Please reason step by step, and put your final answer "
+                                "within \\boxed{}.")
+    c.sft.steps = 0                            # an instruct model needs no warm start
+    total = 16384 if arg == "1.5b" else 32768  # prompt + completion tokens per sample
+    c.rl.update(steps=500, prompts_per_step=64 if arg == "1.5b" else 32, group_size=8,
+                max_new_tokens=total - 1024, temperature=1.0, estimator="grpo", epochs=1,
+                minibatches=4, micro_batches=2 if arg == "1.5b" else 4, row_len=total,
+                dynamic_sampling=True, max_resample=2, overlong="penalty",
+                overlong_buffer=4096, overlong_penalty=1.0)
+    c.rl.loss.update(clip_low=0.2, clip_high=0.28, aggregation="token_mean", kl_coef=0.0)
+    c.optim.update(lr=1e-6, warmup_steps=10, weight_decay=0.0, b1=0.9, b2=0.999,
+                   clip_norm=1.0)
+    c.reward.update(spec="math:1.0", num_workers=16, timeout_s=10.0)
+    c.rollout.update(page_size=16, max_slots=256, pool_tokens=0)
+    c.eval.update(every=20, num_prompts=256, k=4, temperature=0.6)
+    c.checkpoint.update(every_steps=10, every_minutes=30.0, keep=3)
+    return c
