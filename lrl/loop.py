@@ -223,13 +223,17 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> 
             n_rows = distributed.max_over_processes(rows["tokens"].shape[0])
             if n_rows != rows["tokens"].shape[0]:
                 rows, layout = pack(n_rows)
-            batch = _put_batch(r, rows)
-            if needs_old and not use_sampler_logp:
-                batch["old_logp"] = logp_fn(state.params, batch)
-            if ref_params is not None:
-                batch["ref_logp"] = logp_fn(ref_params, batch)
+            # Minibatches are cut on the host, so each goes to the devices in its sharding.
+            per = rows["tokens"].shape[0] // rl_cfg.minibatches
+            batches = [_put_batch(r, {k: v[i * per:(i + 1) * per] for k, v in rows.items()})
+                       for i in range(rl_cfg.minibatches)]
+            for batch in batches:  # old / reference log-probs before any update of this step
+                if needs_old and not use_sampler_logp:
+                    batch["old_logp"] = logp_fn(state.params, batch)
+                if ref_params is not None:
+                    batch["ref_logp"] = logp_fn(ref_params, batch)
             t1 = time.time()
-            state, um = _updates(update_fn, state, batch, rl_cfg)
+            state, um = _updates(update_fn, state, batches, rl_cfg.epochs)
             um = jax.device_get(um)
             step += 1
             m.update(um)
@@ -323,16 +327,12 @@ def _process_share(P: int) -> np.ndarray:
     return mine
 
 
-def _updates(update_fn, state, batch, rl_cfg):
-    """epochs x minibatches of update_step over the packed rows."""
-    B = batch["tokens"].shape[0]
-    per = B // rl_cfg.minibatches
+def _updates(update_fn, state, batches, epochs: int):
+    """epochs x minibatches of update_step; the metrics are the last update's."""
     metrics = None
-    for _ in range(rl_cfg.epochs):
-        for i in range(rl_cfg.minibatches):
-            mb = batch if rl_cfg.minibatches == 1 else jax.tree.map(
-                lambda x: x[i * per:(i + 1) * per], batch)
-            state, metrics = update_fn(state, mb)
+    for _ in range(epochs):
+        for batch in batches:
+            state, metrics = update_fn(state, batch)
     return state, metrics
 
 

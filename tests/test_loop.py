@@ -38,6 +38,7 @@ def tiny_config(**rl):
     c.eval.update(every=2, num_prompts=4, k=2)
     c.data.eval_size = 4
     c.checkpoint.update(every_steps=1, keep=10)
+    c.optim.lr = 1e-3  # large enough that three GRPO steps visibly move a tiny model
     c.metrics.tensorboard = False
     c.reward.num_workers = 0
     return c
