@@ -10,16 +10,13 @@ blocks around (zig-zag layout for causal balance). Rows of
         --config.tokenizer.path=/models/Qwen2.5-7B-Instruct \\
         --config.data.paths=/data/longqa/train.jsonl --config.data.eval_paths=/data/longqa/test.jsonl
 """
-import importlib.util
 import os
+
+from lrl.experiment import config_from_file
 
 
 def _default():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
-    spec = importlib.util.spec_from_file_location("lrl_configs_default", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
+    return config_from_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"))
 
 
 def get_config(arg: str | None = None):

@@ -10,16 +10,13 @@ Rows of `{"problem": ..., "answer": ...}` (e.g. a MATH / DAPO-17k export); the r
 
 Use `:7b` (and the 7B paths) for Qwen2.5-7B-Instruct at 32K.
 """
-import importlib.util
 import os
+
+from lrl.experiment import config_from_file
 
 
 def _default():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
-    spec = importlib.util.spec_from_file_location("lrl_configs_default", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
+    return config_from_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"))
 
 
 def get_config(arg: str | None = "1.5b"):

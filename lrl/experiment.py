@@ -17,6 +17,19 @@ from lrl import models
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+def config_from_file(path: str, arg: str | None = None):
+    """`get_config(arg)` of a config file: how one config builds on another (configs/ is a
+    folder of files, not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "lrl_config_" + os.path.basename(path)[:-3], path)
+    if spec is None or not os.path.isfile(path):
+        raise FileNotFoundError(f"no config file {path!r}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config(arg) if arg else mod.get_config()
+
+
 def check_config(config) -> None:
     """Fails fast, before any compile or training, on values that would only break later."""
     choices = {"job": (config.job, ("grpo", "sft", "grpo_video")),
