@@ -137,6 +137,10 @@ class EmbeddingCache:
         self.misses += 1
         return None
 
+    def contains(self, key: str) -> bool:
+        """Whether `get(key)` would hit (counts neither a hit nor a miss)."""
+        return key in self._mem or bool(self.directory and os.path.isfile(self._file(key)))
+
     def put(self, key: str, emb) -> None:
         self._remember(key, emb)
         if self.directory:

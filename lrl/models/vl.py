@@ -16,6 +16,11 @@ interval = tokens_per_second × seconds per temporal patch for videos and 0 for 
 Qwen2.5-VL's original rule (transformers ≤ 5.2, vLLM); transformers 5.3+ restarts the text
 after a video at st + max(h, w), which differs when the temporal span is the longest.
 
+On a mesh (MR-SP stage 2) a packed multimodal row is split along T over `seq` like a text
+row: tokens, visual index and segment ids [B, T] and positions [3, B, T] all split on T
+(`constrain_positions`, `batch_shardings`), the table is replicated, and with ring attention
+the integer inputs are put in the ring's zig-zag order before the embedding lookup.
+
 B batch · T positions · D model width · V vocabulary · R visual table rows.
 """
 from __future__ import annotations
@@ -23,13 +28,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from lrl import mesh as mesh_lib
 from lrl.models.config import ModelConfig
-from lrl.models.forward import ring_layout
 from lrl.models.decoder import Decoder, constrain, default_positions, logits_from_hidden
-from lrl.models.forward import unembedding
+from lrl.models.forward import ring_layout, unembedding
 from lrl.models.vision import VisionConfig
 
 
@@ -183,18 +190,32 @@ def embed_tokens(cfg: ModelConfig, text_params, tokens_BT, visual_table_RD=None,
     return jnp.where((idx >= 0)[..., None], vis, x)
 
 
-def hidden_from_embeddings(cfg: ModelConfig, text_params, x_BTD, positions, segment_ids_BT,
-                           mesh=None):
-    """lrl's decoder layers and final norm on given input embeddings. `positions` is [B, T] or
-    [3, B, T]; inputs and outputs are in natural token order (ring layout handled here)."""
-    T = x_BTD.shape[1]
-    layout = ring_layout(cfg, mesh, T)
-    if layout is not None:
-        perm = layout[0]
-        x_BTD = jnp.take(x_BTD, perm, axis=1)
-        positions = jnp.take(positions, perm, axis=positions.ndim - 1)
-        segment_ids_BT = jnp.take(segment_ids_BT, perm, axis=1)
+def constrain_positions(positions, mesh):
+    """Positions [B, T] or [3, B, T] laid out like the activations: rows over (data, fsdp),
+    T over seq; the three M-RoPE components stay together on every device."""
+    if mesh is None:
+        return positions
+    if positions.ndim == 2:
+        return constrain(positions, mesh)
+    spec = P(None, *mesh_lib.batch_spec(mesh, 2))
+    return jax.lax.with_sharding_constraint(positions, NamedSharding(mesh, spec))
 
+
+def batch_shardings(mesh, batch) -> dict:
+    """Shardings of an update batch (`lrl.rl.update`) on `mesh`: [B, T] arrays with rows over
+    (data, fsdp) and T over seq, M-RoPE positions [B, 3, T] with T over seq as well."""
+    out = {}
+    for k, v in batch.items():
+        if k == "positions" and np.ndim(v) == 3:
+            spec = mesh_lib.batch_spec(mesh, 2)
+            out[k] = NamedSharding(mesh, P(spec[0], None, spec[1]))
+        else:
+            out[k] = mesh_lib.batch_sharding(mesh, np.ndim(v))
+    return out
+
+
+def _decoder_layers(cfg: ModelConfig, text_params, x_BTD, positions, segment_ids_BT, mesh):
+    """lrl's decoder layers and final norm on embeddings already in the attention's layout."""
     def run(module, x, pos, seg):
         x = constrain(x, mesh)
         if cfg.scan_layers:
@@ -204,28 +225,61 @@ def hidden_from_embeddings(cfg: ModelConfig, text_params, x_BTD, positions, segm
                 x, _ = blk(x, pos, seg)
         return module.final_norm(x)
 
-    x = Decoder(cfg, mesh).apply({"params": text_params}, x_BTD, positions, segment_ids_BT,
-                                 method=run)
+    return Decoder(cfg, mesh).apply({"params": text_params}, x_BTD, positions, segment_ids_BT,
+                                    method=run)
+
+
+def hidden_from_embeddings(cfg: ModelConfig, text_params, x_BTD, positions, segment_ids_BT,
+                           mesh=None):
+    """lrl's decoder layers and final norm on given input embeddings. `positions` is [B, T] or
+    [3, B, T]; inputs and outputs are in natural token order (ring layout handled here)."""
+    layout = ring_layout(cfg, mesh, x_BTD.shape[1])
     if layout is not None:
-        x = jnp.take(x, layout[1], axis=1)
-    return x
+        perm = layout[0]
+        x_BTD = jnp.take(x_BTD, perm, axis=1)
+        positions = jnp.take(positions, perm, axis=positions.ndim - 1)
+        segment_ids_BT = jnp.take(segment_ids_BT, perm, axis=1)
+    x = _decoder_layers(cfg, text_params, x_BTD, constrain_positions(positions, mesh),
+                        segment_ids_BT, mesh)
+    return x if layout is None else jnp.take(x, layout[1], axis=1)
 
 
 def vl_hidden_states(cfg: ModelConfig, text_params, tokens_BT, positions=None,
                      segment_ids_BT=None, visual_table_RD=None, visual_index_BT=None, mesh=None):
-    """Final-normalised hidden states [B, T, D] of a multimodal batch.
+    """Final-normalised hidden states [B, T, D] of a multimodal batch, in natural token order.
 
     `cfg` is the text config (`vl_cfg.text`); positions default to text positions (all three
-    components equal), which is right only for rows without visual tokens.
+    components equal), which is right only for rows without visual tokens. On a mesh with
+    ring attention, tokens, visual index, positions and segment ids are permuted into the
+    zig-zag layout BEFORE the embedding lookup (integers move instead of [B, T, D] rows); the
+    lookup itself is local: the visual table is replicated and the index is split like the
+    tokens.
     """
     tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
     if segment_ids_BT is None:
         segment_ids_BT = jnp.ones_like(tokens_BT)
+    segment_ids_BT = jnp.asarray(segment_ids_BT, jnp.int32)
     if positions is None:
         positions = default_positions(tokens_BT, segment_ids_BT)
+    positions = jnp.asarray(positions, jnp.int32)
+    if visual_index_BT is not None:
+        visual_index_BT = jnp.asarray(visual_index_BT, jnp.int32)
+    layout = ring_layout(cfg, mesh, tokens_BT.shape[1])
+    if layout is not None:
+        perm = layout[0]
+        tokens_BT, segment_ids_BT = (jnp.take(a, perm, axis=1) for a in (tokens_BT,
+                                                                         segment_ids_BT))
+        positions = jnp.take(positions, perm, axis=positions.ndim - 1)
+        if visual_index_BT is not None:
+            visual_index_BT = jnp.take(visual_index_BT, perm, axis=1)
+    if mesh is not None:
+        tokens_BT, segment_ids_BT = constrain(tokens_BT, mesh), constrain(segment_ids_BT, mesh)
+        if visual_index_BT is not None:
+            visual_index_BT = constrain(visual_index_BT, mesh)
     x = embed_tokens(cfg, text_params, tokens_BT, visual_table_RD, visual_index_BT)
-    return hidden_from_embeddings(cfg, text_params, x, jnp.asarray(positions, jnp.int32),
-                                 jnp.asarray(segment_ids_BT, jnp.int32), mesh)
+    x = _decoder_layers(cfg, text_params, x, constrain_positions(positions, mesh),
+                        segment_ids_BT, mesh)
+    return x if layout is None else jnp.take(x, layout[1], axis=1)
 
 
 def vl_forward(cfg: ModelConfig, text_params, tokens_BT, positions=None, segment_ids_BT=None,
