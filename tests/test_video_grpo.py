@@ -96,6 +96,7 @@ def test_video_grpo_steps_end_to_end(tmp_path, monkeypatch, caplog):
     c = _config("runlocal")
     c.reward.spec = "video:1.0,test_video_len:0.5"
     c.rl.steps, c.rl.prompts_per_step, c.rl.group_size = 2, 2, 4
+    c.eval.every = 0    # the held-out videos would add encoder calls (test_video_mesh runs eval)
     v = c.video
     # Video 3 (the second step's second prompt) is garbage: reported by path and skipped.
     videos = tmp_path / "videos"
@@ -157,7 +158,7 @@ def test_video_grpo_from_a_local_hf_checkpoint(tmp_path):
         str(tmp_path / "hf"))
     c.model.hf_path = str(tmp_path / "hf")
     c.tokenizer.path = str(tmp_path / "trained" / "tokenizer")
-    c.rl.steps, c.optim.warmup_steps = 1, 1
+    c.rl.steps, c.optim.warmup_steps, c.eval.every = 1, 1, 0
     m = vl_grpo.run(c, str(tmp_path / "run"))
     assert m["vision/encoded_items"] == c.rl.prompts_per_step
     assert all(np.isfinite(x) for x in m.values())
