@@ -24,7 +24,7 @@ def get_config(arg: str | None = "1.5b"):
         raise ValueError(f"configs/qwen2_5_math.py: argument {arg!r}; use '1.5b' or '7b'")
     c = _default()
     c.model.update(hf_path="", dtype="bfloat16", param_dtype="float32", attention="dense",
-                   remat="dots_no_batch" if arg == "1.5b" else "full")
+                   remat="dots_attn" if arg == "1.5b" else "save_attn")
     c.tokenizer.path = ""                      # the model's own directory
     c.data.update(source="jsonl", paths="", eval_paths="", prompt_field="problem",
                   answer_field="answer", max_prompt_len=1024,

@@ -268,24 +268,40 @@ def test_ring_cudnn_plumbing_with_emulated_kernel(monkeypatch):
     assert {("fwd", False, True), ("bwd", False, True)} == set(calls)
 
 
-def test_cudnn_backward_binding_matches_jax_own_vjp(monkeypatch):
+@pytest.mark.parametrize("kind", ["ring_block", "dense", "dense_packed"])
+def test_cudnn_backward_binding_matches_jax_own_vjp(monkeypatch, kind):
     """Our direct bind of cuDNN's backward primitive has the operands and parameters that
-    jax's own VJP uses (traced only, so it runs on CPU; catches jax version drift)."""
+    jax's own VJP uses (traced only, so it runs on CPU; catches jax version drift): the ring's
+    blocks, and the dense kernel with named residuals, plain causal and packed segments."""
     cud = flash.fc._cudnn
     if cud is None or flash.fc._CUDNN_BWD is None:
         pytest.skip("no cuDNN attention module in this jax")
     monkeypatch.setattr(cud, "check_cudnn_version", lambda: 90800)
+    if hasattr(cud, "check_compute_capability"):  # the packed layout asks for Hopper
+        monkeypatch.setattr(cud, "check_compute_capability", lambda *a: True)
     q = jnp.zeros((1, 256, 8, 128), jnp.bfloat16)
     k = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    seg = jnp.asarray(np.repeat([1, 2, 3], [100, 100, 56])[None], jnp.int32)
+    packed = kind == "dense_packed"
 
     def theirs(q, k, v, do):
-        f = lambda q, k, v: cud.dot_product_attention(
-            q, k, v, scale=0.1, mask_type=cud.MaskType.CAUSAL, qkv_layout="BTNH")
+        if packed:
+            offsets, lengths, _ = flash.fc.segment_runs(seg, 4)
+            f = lambda q, k, v: cud.dot_product_attention(
+                q, k, v, None, None, lengths, lengths, offsets, offsets, scale=0.1,
+                mask_type=cud.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
+        else:
+            f = lambda q, k, v: cud.dot_product_attention(
+                q, k, v, scale=0.1, mask_type=cud.MaskType.CAUSAL, qkv_layout="BTNH")
         return jax.vjp(f, q, k, v)[1](do)
 
     def ours(q, k, v, do):
-        o, lse = flash.fc.fwd(q, k, v, causal=True, scale=0.1)
-        return flash.fc.bwd(q, k, v, o, lse, do, causal=True, scale=0.1)
+        if kind == "ring_block":
+            o, lse = flash.fc.fwd(q, k, v, causal=True, scale=0.1)
+            return flash.fc.bwd(q, k, v, o, lse, do, causal=True, scale=0.1)
+        f = lambda q, k, v: flash.fc.dense_causal(q, k, v, seg if packed else None, scale=0.1,
+                                                  max_segments=4)
+        return jax.vjp(f, q, k, v)[1](do)
 
     def bwd_eqns(fn):
         found = []

@@ -91,7 +91,7 @@ def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="4096,16384,32768")
-    ap.add_argument("--remat", default="full,save_attn,dots_no_batch",
+    ap.add_argument("--remat", default="dots_attn,save_attn,full",
                     help="comma-separated policies to try per length; the best is reported")
     ap.add_argument("--attention", default="dense")
     ap.add_argument("--chunk", type=int, default=2048, help="log-prob chunk (tokens)")

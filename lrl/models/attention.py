@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from lrl.models.config import ModelConfig
 
@@ -36,7 +37,8 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, index_BT=None):
     weights = jnp.where(any_visible, weights, 0.0)
     out = jnp.einsum("bkgts,bskh->btkgh", weights.astype(v_BSKH.dtype), v_BSKH,
                      preferred_element_type=jnp.float32)
-    return out.reshape(B, T, N, H).astype(q_BTNH.dtype)
+    # Named as the flash kernels name theirs (lrl.models.layers.remat_policy).
+    return checkpoint_name(out.reshape(B, T, N, H).astype(q_BTNH.dtype), "attn_out")
 
 
 def _on_gpu() -> bool:

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 ATTENTION_KINDS = ("dense", "ring", "ulysses")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attn", "offload_attn")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_attn", "save_attn",
+                  "offload_attn")
 
 
 @dataclasses.dataclass(frozen=True)

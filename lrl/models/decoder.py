@@ -15,7 +15,6 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 
 from lrl import mesh as mesh_lib
@@ -66,7 +65,6 @@ class Block(nn.Module):
 
     def finish(self, x_BTD, attn_BTNH):
         """Output projection, residual, then the SwiGLU MLP and its residual."""
-        attn_BTNH = checkpoint_name(attn_BTNH, "attn_out")
         x = x_BTD + self.o_proj(attn_BTNH)
         h = self.post_attn_norm(x)
         return x + self.down_proj(nn.silu(self.gate_proj(h)) * self.up_proj(h))

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from lrl.models import flash_cudnn as fc
 
@@ -195,6 +196,8 @@ def _flash(q, k, v, masks, scale, cq, ck):
 
 def _flash_vjp_fwd(q, k, v, masks, scale, cq, ck):
     o, lse = _flash(q, k, v, masks, scale, cq, ck)
+    # Named as the cuDNN path names them, so remat policies treat both kernels alike.
+    o, lse = checkpoint_name(o, "attn_out"), checkpoint_name(lse, "attn_lse")
     return (o, lse), (q, k, v, masks, o, lse)
 
 

@@ -9,10 +9,12 @@ M segments per row.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 try:
     from jax._src.cudnn import fused_attention_stablehlo as _cudnn
@@ -38,10 +40,11 @@ def _cudnn_bwd_binder():
     if not (set(names[:split]) <= known_operands and set(names[split:]) <= known_params):
         return None
 
-    def bind_bwd(q, k, v, o, lse, do, *, mask_type, scale, q_len=None, kv_len=None):
+    def bind_bwd(q, k, v, o, lse, do, *, mask_type, scale, q_len=None, kv_len=None,
+                 q_off=None, kv_off=None):
         empty = jnp.zeros(0, q.dtype)
         operands = dict(query=q, key=k, value=v, activation=lse, fwd_output=o, grad_output=do,
-                        q_seqlen=q_len, kv_seqlen=kv_len)
+                        q_seqlen=q_len, kv_seqlen=kv_len, q_offsets=q_off, kv_offsets=kv_off)
         params = dict(scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False),
                       mask_type=mask_type, layout=_cudnn.AttentionLayout.BTNH.value,
                       sliding_window_length=None)
@@ -59,22 +62,45 @@ def _mask_type(causal, padded):
             else (M.CAUSAL if causal else M.NO_MASK))
 
 
-def fwd(q, k, v, *, causal, scale, q_len=None, kv_len=None):
+def fwd(q, k, v, *, causal, scale, q_len=None, kv_len=None, q_off=None, kv_off=None):
     """cuDNN flash attention -> (o, lse [B,N,T] f32); q_len / kv_len [B] mask the rows and
-    keys beyond them (cuDNN's padding mask: what it leaves there is undefined)."""
+    keys beyond them (cuDNN's padding mask: what it leaves there is undefined); with
+    q_off / kv_off [B, M+1] and lengths [B, M] the rows are packed segments."""
     o, lse = _cudnn.dot_product_attention(
-        q, k, v, None, None, q_len, kv_len, scale=scale,
+        q, k, v, None, None, q_len, kv_len, q_off, kv_off, scale=scale,
         mask_type=_mask_type(causal, q_len is not None), qkv_layout="BTNH",
         return_residual=True)
     return o, lse.astype(jnp.float32)
 
 
-def bwd(q, k, v, o, lse, do, *, causal, scale, q_len=None, kv_len=None):
+def bwd(q, k, v, o, lse, do, *, causal, scale, q_len=None, kv_len=None, q_off=None,
+        kv_off=None):
     """cuDNN's backward given any (o, lse): a ring passes the merged ones -> (dq, dk, dv)."""
     dt = q.dtype
     return _CUDNN_BWD(q, k, v, o.astype(dt), lse.astype(jnp.float32), do.astype(dt),
                       mask_type=_mask_type(causal, q_len is not None), scale=scale,
-                      q_len=q_len, kv_len=kv_len)
+                      q_len=q_len, kv_len=kv_len, q_off=q_off, kv_off=kv_off)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _trainable(q, k, v, scale, causal, segs):
+    return fwd(q, k, v, causal=causal, scale=scale, **segs)[0]
+
+
+def _trainable_fwd(q, k, v, scale, causal, segs):
+    o, lse = fwd(q, k, v, causal=causal, scale=scale, **segs)
+    # Named, so a remat policy can keep them: the backward then needs no second forward.
+    o, lse = checkpoint_name(o, "attn_out"), checkpoint_name(lse, "attn_lse")
+    return o, (q, k, v, o, lse, segs)
+
+
+def _trainable_bwd(scale, causal, res, do):
+    q, k, v, o, lse, segs = res
+    dq, dk, dv = bwd(q, k, v, o, lse, do, causal=causal, scale=scale, **segs)
+    return dq, dk, dv, jax.tree.map(lambda _: None, segs)
+
+
+_trainable.defvjp(_trainable_fwd, _trainable_bwd)
 
 
 def unavailable_reason(q, k, *, need_bwd=False) -> str | None:
@@ -109,18 +135,17 @@ def segment_runs(segment_ids_BT, max_segments):
 
 
 def dense_causal(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, scale, max_segments):
-    """Causal attention within segments through jax's own cuDNN call (its VJP included).
+    """Causal attention within segments: cuDNN's forward and backward kernels, with the
+    output and log-sum-exp named "attn_out" / "attn_lse" for the remat policies.
     With segment ids: cuDNN's packed layout (Hopper or newer, cuDNN >= 9.6), at most
     `max_segments` runs per row; a row with more gives NaN rather than a wrong answer."""
     if segment_ids_BT is None:
-        return _cudnn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, scale=scale,
-                                            mask_type=_cudnn.MaskType.CAUSAL, qkv_layout="BTNH")
+        return _trainable(q_BTNH, k_BSKH, v_BSKH, scale, True, {})
     if max_segments < 2:
         raise ValueError(f"dense_attention: max_segments={max_segments}; cuDNN's packed layout "
                          "needs at least 2")
     offsets, lengths, count_B = segment_runs(segment_ids_BT, max_segments)
-    o = _cudnn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, None, None, lengths, lengths,
-                                     offsets, offsets, scale=scale,
-                                     mask_type=_cudnn.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
+    o = _trainable(q_BTNH, k_BSKH, v_BSKH, scale, True,
+                   dict(q_len=lengths, kv_len=lengths, q_off=offsets, kv_off=offsets))
     too_many = (count_B > max_segments)[:, None, None, None]
     return jnp.where(too_many, jnp.nan, o).astype(q_BTNH.dtype)

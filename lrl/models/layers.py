@@ -79,22 +79,29 @@ def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax
 def remat_policy(name: str):
     """Named rematerialisation policies for the scanned layer (`cfg.remat`).
 
-    none: keep every activation (fastest, most memory); full: keep only each layer's input;
-    dots / dots_no_batch: keep matmul outputs; save_attn: keep the attention output, recompute
-    the rest; offload_attn: as save_attn but the saved tensor lives in pinned host memory,
-    which lets the longest sequences fit.
+    none: keep every activation (most memory); full: keep only each layer's input;
+    dots / dots_no_batch: keep matmul outputs; dots_attn: dots_no_batch plus the attention
+    output and log-sum-exp, so the backward runs no attention forward again (the fastest
+    where it fits: attention is the costliest op of a long row, and what it keeps is small,
+    T·N·H + T·N per layer); save_attn: keep only the attention output and log-sum-exp,
+    recompute the rest; offload_attn: as save_attn but what is kept lives in pinned host
+    memory, which lets the longest sequences fit.
     """
     cp = jax.checkpoint_policies
+    attn = ("attn_out", "attn_lse")  # named by every attention kernel's forward
     if name == "full":
         return cp.nothing_saveable
     if name == "dots":
         return cp.checkpoint_dots
     if name == "dots_no_batch":
         return cp.dots_with_no_batch_dims_saveable
+    if name == "dots_attn":
+        return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
+                                          cp.save_only_these_names(*attn))
     if name == "save_attn":
-        return cp.save_only_these_names("attn_out")
+        return cp.save_only_these_names(*attn)
     if name == "offload_attn":
         return cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=[], names_which_can_be_offloaded=["attn_out"],
+            names_which_can_be_saved=[], names_which_can_be_offloaded=list(attn),
             offload_src="device", offload_dst="pinned_host")
     raise ValueError(f"unknown remat policy {name!r}")

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from lrl.models import flash
@@ -233,7 +234,8 @@ def _ring_local(cfg, q, k, v, seg):
 
 def _ring_local_fwd(cfg, q, k, v, seg):
     o, lse = _ring_forward(cfg, q, k, v, seg)
-    o = o.astype(q.dtype)
+    o = checkpoint_name(o.astype(q.dtype), "attn_out")
+    lse = checkpoint_name(lse, "attn_lse")  # a kept pair spares the backward a whole ring
     return o, (q, k, v, seg, o, lse)
 
 
