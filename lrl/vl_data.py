@@ -26,7 +26,6 @@ from typing import Optional
 import numpy as np
 from tokenizers import AddedToken
 
-from lrl.data import tokenizer as tok_lib
 from lrl.data import video as video_lib
 from lrl.data import video_task
 from lrl.models import embed_cache, vl
@@ -178,6 +177,7 @@ def build_tokenizer(config, workdir: str, recs: Optional[list] = None):
     trained on the task's text with Qwen2.5-VL's vision tokens added as special tokens, ids
     `vocab_size + i` in the order of `VISION_TOKENS` (saved under <workdir>/tokenizer);
     `recs`: the training records when already loaded."""
+    from lrl.data import tokenizer as tok_lib   # transformers: imported only when needed
     path = config.tokenizer.path or config.model.hf_path
     if path:
         tok = tok_lib.load_tokenizer(path)

@@ -71,14 +71,13 @@ def _pages_of(table_BM, pos_BT, valid_BT, page_size):
     return jnp.where(valid_BT, page, NULL_PAGE), pos_BT % page_size
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "page_size", "pool_sharding"),
-                   donate_argnames=("k_pages", "v_pages"))
 def prefill_rows(cfg, mesh, page_size, pool_sharding, params, k_pages, v_pages, tokens_BT,
                  n_valid_B, table_BM, embeds_BTD=None, positions_3BT=None):
     """Writes the K/V of tokens [0, n_valid) of each row into its pages (`table_BM`), every
     layer computed with `cfg.attention` over the mesh's seq axis. Multimodal rows pass their
     input embeddings and M-RoPE positions; text rows use the token embeddings and the token
-    index as rotary position. Returns the new (k_pages, v_pages)."""
+    index as rotary position. Returns the new (k_pages, v_pages), in `pool_sharding`.
+    Model code: `compiled_prefill` jits it."""
     B, T = tokens_BT.shape
     pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     valid_BT = pos_BT < n_valid_B[:, None]
@@ -111,6 +110,16 @@ def prefill_rows(cfg, mesh, page_size, pool_sharding, params, k_pages, v_pages, 
     return k_pages, v_pages
 
 
+@functools.lru_cache(maxsize=64)
+def compiled_prefill(cfg, mesh, page_size: int, pool_sharding):
+    """`prefill_rows` jitted once per (model, mesh, page size, pool sharding): the pool is
+    donated and comes back in exactly the sharding it came in (so neither this function nor
+    the engine's decode step compiles again for an equivalent but differently spelled
+    sharding)."""
+    fn = functools.partial(prefill_rows, cfg, mesh, page_size, pool_sharding)
+    return jax.jit(fn, donate_argnums=(1, 2), out_shardings=(pool_sharding, pool_sharding))
+
+
 def _page_row(engine: Engine, pages: Sequence[int]) -> np.ndarray:
     row = np.full(engine.ecfg.pages_per_slot, NULL_PAGE, np.int32)
     row[:len(pages)] = pages
@@ -140,8 +149,8 @@ def _call(engine: Engine, cfg, params, mesh, kp, vp, group: list[Prefix], rows: 
         embeds = jax.device_put(jnp.stack(parts), NamedSharding(mesh, P(*spec, None)))
         positions = jax.device_put(positions, NamedSharding(mesh, P(None, *spec)))
     tokens = jax.device_put(tokens, mesh_lib.batch_sharding(mesh, 2))
-    return prefill_rows(cfg, mesh, engine.ecfg.page_size, kp.sharding, params, kp, vp, tokens,
-                        n_valid, table, embeds_BTD=embeds, positions_3BT=positions)
+    fn = compiled_prefill(cfg, mesh, engine.ecfg.page_size, kp.sharding)
+    return fn(params, kp, vp, tokens, n_valid, table, embeds, positions)
 
 
 def prefill(engine: Engine, params, state: DecodeState, prefixes: Sequence[Prefix], *, mesh,
