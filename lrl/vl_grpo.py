@@ -49,8 +49,9 @@ log = logging.getLogger(__name__)
 
 VISION_TOKENS = vl_data.VISION_TOKENS
 build_tokenizer = vl_data.build_tokenizer
-# The rollout driver's prefill hook (see the report of issue #9); until it exists the engine
-# prefills every prompt itself.
+# The rollout driver's prefill hook: `rollout.generate(..., prefill_fn=fn)`, fn(engine, params,
+# state, prefixes) -> state in place of `engine.run_prefill`. Until generate takes it, the
+# engine prefills every prompt itself (`run` warns, and `rollout/sp_prefill` reads 0).
 _GENERATE_TAKES_PREFILL = "prefill_fn" in inspect.signature(rollout.generate).parameters
 
 
@@ -189,8 +190,9 @@ class Run:
 
 
 def rollout_groups(r: Run, params, recs, G: int, temperature: float, seed: int):
-    """Stage 1, prompts, G samples each and their rewards -> (prompts, Groups, table,
-    metrics); prompts that do not fit a packed row (`rl.row_len`) are reported and dropped."""
+    """Stage 1, prompts, G samples each and their rewards -> (records kept, prompts, Groups,
+    visual table, metrics). Videos that do not decode, and prompts that do not fit a packed
+    row (`rl.row_len`) with their completions, are reported and dropped."""
     rl_cfg = r.config.rl
     t0 = time.time()
     recs, items, table, offsets, m = vl_data.encode_batch(r.stage, r.vision_params, recs)

@@ -3,11 +3,9 @@ positions (and agrees with the full forward), and a few GRPO steps of the synthe
 task run through `lrl.loop.run`, encoding each video once however many samples read it."""
 
 import importlib.util
-import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from lrl import loop, models, rollout

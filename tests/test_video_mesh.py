@@ -42,7 +42,7 @@ def _video_prompt(text_ids):
 
 # ----------------------------------------------------------------------------- the update
 
-def _groups_and_rows(rng, params, table):
+def _groups_and_rows(rng):
     """Two video prompts (table rows 0 and 8), G=3 random completions each, packed."""
     G, prompts = 3, []
     for p in range(2):
@@ -64,7 +64,7 @@ def test_vl_update_with_ring_attention_equals_the_single_device_step():
     rng = np.random.RandomState(0)
     params = models.init_params(TEXT, jax.random.key(0))
     table = jax.random.normal(jax.random.key(1), (16, TEXT.d_model))
-    rows = _groups_and_rows(rng, params, table)
+    rows = _groups_and_rows(rng)
     assert (rows["visual_index"] >= 0).sum() == 3 * 8 * 2 and rows["positions"].shape[1] == 3
     tx = optax.sgd(1e4)          # new params = params - 1e4 grads: no cancellation error
     loss = LossConfig(aggregation="token_mean", max_len=8)
@@ -181,7 +181,8 @@ def test_video_grpo_on_a_mesh_checkpoints_and_resumes(tmp_path, monkeypatch):
     c.rl.steps = 3
     m3 = vl_grpo.run(c, str(tmp_path))
     assert seen == [0, 1, 2] and np.isfinite(m3["loss"])
-    steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
+    steps = [json.loads(line)["step"]
+             for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
     assert sorted(os.listdir(tmp_path / "checkpoints"))[:2] == ["2", "3"]
 
@@ -205,6 +206,7 @@ def test_video_qa_config_reports_missing_videos_and_bad_rows(tmp_path, caplog):
     c.data.paths = str(data)
     c.rl.update(steps=1, prompts_per_step=3)   # one epoch: each row once
     c.reward.spec = "choice:1.0,test_video_mesh_len:0.5"
+    c.rl.loss.kl_coef = 0.01   # reference log-probs from the sharded forward-only pass
     c.eval.every = 0
     recs, problems = vl_data.load_video_qa(str(data), c.data)
     assert [r["answer"] for r in recs] == ["B", "B", "3"]
@@ -216,3 +218,4 @@ def test_video_qa_config_reports_missing_videos_and_bad_rows(tmp_path, caplog):
     assert str(clips / "missing.mp4") in caplog.text and f"{data}:5" in caplog.text
     assert str(clips / "broken.mp4") in caplog.text
     assert m["video/skipped"] == 1 and m["video/decoded"] == 2 and np.isfinite(m["loss"])
+    assert abs(m["kl"]) < 1e-6     # the reference is the policy this (first) step updates
