@@ -212,3 +212,29 @@ def test_top_k_top_p_sharded_params(tiny):
         for (ta, la), (tb, lb) in zip(a, b):
             np.testing.assert_array_equal(ta, tb)
             np.testing.assert_allclose(la, lb, atol=1e-4)
+
+
+def test_decode_layout_one_array_per_layer_without_fsdp(tiny):
+    """The decode copy of the weights: a tuple of layers, the compute dtype, the trainer's
+    values, and on a mesh only `tensor` sharding (nothing for a decode step to gather)."""
+    from lrl.rollout.weights import decode_params
+    _, cfg, params, path = tiny("qwen2")
+    cfg = cfg.replace(dtype=jax.numpy.bfloat16)
+    mesh = mesh_lib.make_mesh({"fsdp": 4, "tensor": 2})
+    _, sharded = models.load_hf(str(path), mesh=mesh)
+    got = decode_params(cfg, sharded, mesh)
+    assert decode_params(cfg, got, mesh) is got          # already in decode layout
+    assert isinstance(got["layers"], tuple) and len(got["layers"]) == cfg.n_layers
+    specs = [str(x.sharding.spec) for x in jax.tree.leaves(got)]
+    assert not any("fsdp" in s for s in specs) and any("tensor" in s for s in specs), specs
+    as_bf16 = lambda x: np.asarray(jax.numpy.asarray(x).astype(jax.numpy.bfloat16), np.float32)
+    for layer, tree in enumerate(got["layers"]):
+        want = {k: v for k, v in params["layers"].items() if k not in ("gate_proj", "up_proj")}
+        want = jax.tree.map(lambda a: a[layer], want)
+        want["gate_up"] = {"kernel": np.stack([params["layers"]["gate_proj"]["kernel"][layer],
+                                               params["layers"]["up_proj"]["kernel"][layer]],
+                                              axis=-2)}
+        assert jax.tree.structure(tree) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(want)):
+            assert a.dtype == jax.numpy.bfloat16
+            np.testing.assert_array_equal(np.asarray(a, np.float32), as_bf16(b))

@@ -222,9 +222,11 @@ def decode(a, out_dir):
     S, T, N = (4, 16, 8) if a.smoke else (a.slots, a.prompt, a.new)
     rng = np.random.RandomState(0)
     prompts = [rng.randint(0, cfg.vocab_size, size=T) for _ in range(S)]
-    common = dict(max_new_tokens=N, temperature=1.0, seed=0, page_size=16, max_slots=S,
-                  pool_tokens=S * (T + N + 32), steps_per_call=a.steps_per_call,
-                  layer_unroll=a.layer_unroll)
+    common = dict(max_new_tokens=N, temperature=1.0, seed=0, page_size=a.page_size,
+                  max_slots=S, pool_tokens=S * (T + N + 2 * a.page_size),
+                  steps_per_call=a.steps_per_call, layer_unroll=a.layer_unroll,
+                  decode_block_pages=a.decode_block_pages,
+                  pallas_k_splits=a.k_splits)
     rollout.generate(cfg, params, prompts, **common)
     stats = {}
     t0 = time.perf_counter()
@@ -250,6 +252,9 @@ def main():
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--steps-per-call", type=int, default=32)
     ap.add_argument("--layer-unroll", type=int, default=1)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--decode-block-pages", type=int, default=8)
+    ap.add_argument("--k-splits", type=int, default=None)
     ap.add_argument("--steps", type=int, default=2, help="traced steps (train)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--module", default="", help="regex of the XLA module whose ops to list "

@@ -85,7 +85,8 @@ def bench_case(cfg, params, spec, a, wbytes):
     common = dict(temperature=1.0, seed=0, page_size=a.page_size, max_slots=P,
                   pool_tokens=P * (T + N + 2 * a.page_size), prefill_chunk=a.prefill_chunk,
                   steps_per_call=a.steps_per_call, layer_unroll=a.layer_unroll,
-                  attention_impl=a.attention)
+                  attention_impl=a.attention, decode_block_pages=a.decode_block_pages,
+                  pallas_k_splits=a.k_splits)
     warm = {}
     t_compile = timed_generate(cfg, params, prompts[:min(P, 8)], 1, N, common, warm)
     stats = {}
@@ -110,7 +111,9 @@ def bench_shared(cfg, params, spec, a):
     common = dict(temperature=1.0, seed=0, page_size=a.page_size, max_slots=P * G,
                   pool_tokens=P * T + P * G * (N + 2 * a.page_size),
                   prefill_chunk=a.prefill_chunk, steps_per_call=a.steps_per_call,
-                  layer_unroll=a.layer_unroll, attention_impl=a.attention)
+                  layer_unroll=a.layer_unroll, attention_impl=a.attention,
+                  decode_block_pages=a.decode_block_pages,
+                  pallas_k_splits=a.k_splits)
     timed_generate(cfg, params, prompts[:1], G, N, common, {})        # compile
     stats = {}
     total = timed_generate(cfg, params, prompts, G, N, common, stats)
@@ -145,6 +148,10 @@ def main():
     ap.add_argument("--prefill-chunk", type=int, default=None)
     ap.add_argument("--steps-per-call", type=int, default=None)
     ap.add_argument("--layer-unroll", type=int, default=1, help="unroll of the layer scan")
+    ap.add_argument("--decode-block-pages", type=int, default=8,
+                    help="pages per compute block of the decode attention kernel")
+    ap.add_argument("--k-splits", type=int, default=None,
+                    help="kv splits of the Pallas decode kernel (default: from the slots)")
     ap.add_argument("--attention", default=None, help="decode attention: pallas | xla")
     a = ap.parse_args()
     cases = (a.cases if a.cases is not None else

@@ -23,9 +23,11 @@ feeds those embeddings with those rotary positions, and each slot keeps a rope d
 step at cache index `length` rotates by `length + rope_delta` (all three components equal,
 since generated tokens are text). Text prompts have delta 0 and run exactly as before.
 
-Weights are whatever arrays the caller passes (sharded for training or not): the engine never
-copies them. With a mesh, the pool is split over kv heads on the `tensor` axis and XLA
-partitions the step; a decode-specific weight layout would be a reshard on the same mesh.
+Weights: prefill takes the trainer's arrays as they are (it is compute-bound). Decoding reads
+every weight every step, so `Engine.decode_params` relays them once per rollout
+(`lrl.rollout.weights`: one array per layer, compute dtype, fsdp gathers dropped) and the
+decode steps take that tree. With a mesh, the pool is split over kv heads on the `tensor`
+axis and XLA partitions the steps.
 
 B batch rows · T query positions · C chunk · S slots · D model width · V vocabulary ·
 N query heads · K kv heads · H head dim · L layers · M pages per slot.
@@ -49,6 +51,7 @@ from lrl.models.layers import RMSNorm
 from lrl.rollout import paged_attention as pa
 from lrl.rollout.pages import NULL_PAGE, PagePool, pages_for
 from lrl.rollout.sampling import SamplingParams, sample, sample_keys
+from lrl.rollout.weights import decode_params, is_decode_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +119,9 @@ def _embed(cfg, params, tokens):
 
 def _run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT, attend,
                 unroll=1):
-    """The training Block's two halves around a paged write and a paged attention."""
+    """The training Block's two halves around a paged write and a paged attention. Stacked
+    layers (the training layout) are scanned; a tuple of layers (`weights.decode_params`)
+    is unrolled, so no layer is sliced out of a stack inside the step."""
     P = k_pages.shape[1] // cfg.n_layers
     block = Block(cfg)
 
@@ -127,12 +132,31 @@ def _run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT
         base = layer * P
         kp, vp = pa.write_kv(kp, vp, k, v, page_BT + base, offset_BT)
         attn = attend(q, k, v, kp, vp, base)
-        x = block.apply({"params": layer_p}, x, attn, method=Block.finish)
+        if "gate_up" in layer_p:
+            x = block.apply({"params": layer_p}, x, attn, layer_p["gate_up"],
+                            method=_finish_fused)
+        else:
+            x = block.apply({"params": layer_p}, x, attn, method=Block.finish)
         return (x, kp, vp), None
 
+    if is_decode_layout(params):
+        carry = (x_BTD, k_pages, v_pages)
+        for layer, layer_p in enumerate(params["layers"]):
+            carry, _ = body(carry, (layer_p, layer))
+        return carry
     xs = (params["layers"], jnp.arange(cfg.n_layers, dtype=jnp.int32))
     (x, k_pages, v_pages), _ = jax.lax.scan(body, (x_BTD, k_pages, v_pages), xs, unroll=unroll)
     return x, k_pages, v_pages
+
+
+def _finish_fused(block: Block, x_BTD, attn_BTNH, gate_up):
+    """Block.finish with the decode layout's one [D, 2, F] gate-and-up weight."""
+    x = x_BTD + block.o_proj(attn_BTNH)
+    h = block.post_attn_norm(x)
+    gu = jnp.einsum("btd,dkf->btkf", h, gate_up["kernel"].astype(h.dtype))
+    if "bias" in gate_up:
+        gu = gu + gate_up["bias"].astype(h.dtype)
+    return x + block.down_proj(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1])
 
 
 def _page_of(table_BM, pos_BT, valid_BT, page_size):
@@ -498,8 +522,13 @@ class Engine:
         prefix.holds = []
 
     # ---- generate / free
+    def decode_params(self, params):
+        """The weights relaid for decode steps (lrl.rollout.weights); pass them to generate."""
+        return decode_params(self.cfg, params, self.mesh)
+
     def generate(self, params, decode_state: DecodeState, rng, num_steps: int = 1):
-        """-> (decode_state, StepOutput [num_steps, S]) for every live slot.
+        """-> (decode_state, StepOutput [num_steps, S]) for every live slot. `params` in the
+        training layout work too, slower: prefer `decode_params(params)`, once per rollout.
 
         If the Pallas kernel fails to lower (an unsupported shape or jax version), the engine
         warns once and continues with the XLA path; `self.fallback` says why."""

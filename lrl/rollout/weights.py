@@ -1,0 +1,92 @@
+"""The weights laid out for decoding: the trainer's arrays, relaid once per rollout.
+
+A decode step is bound by HBM bandwidth: every step reads every weight once. Three things in
+the training layout cost bandwidth there, and this one copy per `generate` call removes them:
+- layers are stacked [L, ...] for the scanned training model; slicing layer l out of the stack
+  inside the step's loop copies it (a dynamic slice is materialised before its matmul), so
+  each weight was read twice and written once per step. Here each layer is its own array.
+- masters may be fp32; the step would read 4 bytes per weight and cast. Here they are in the
+  compute dtype.
+- with a mesh, FSDP shards would be all-gathered by every step. Here the `fsdp` and `data`
+  shardings are dropped (each device holds what its `tensor` shard needs), one gather per
+  rollout instead of one per token.
+- gate_proj and up_proj are stacked into one [D, 2, F] weight (`gate_up`), one matmul.
+The copy costs one read of the weights and as many bytes of memory in the compute dtype.
+
+L layers.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from lrl import mesh as mesh_lib
+from lrl.models import params as params_lib
+from lrl.models.config import ModelConfig
+
+# Decode keeps tensor parallelism only: every rule that names fsdp/data is dropped.
+DECODE_RULES = {name: tuple(a for a in axes if a == "tensor")
+                for name, axes in mesh_lib.PARAM_RULES.items()}
+
+
+def is_decode_layout(params) -> bool:
+    return isinstance(params.get("layers"), (tuple, list))
+
+
+def _fuse_gate_up(layer, stack=None):
+    """gate_proj and up_proj as one matmul, kernel [D, 2, F] (bias [2, F]): one weight read at
+    full bandwidth (XLA otherwise merges the two dots by concatenating the weights in every
+    step). The 2 sits before F so that sharding F over `tensor` keeps each shard's gate and
+    up columns together. `stack` fuses the pair of leaves (arrays, or logical-axes tuples)."""
+    if stack is None:
+        stack = lambda g, u: jnp.stack([g, u], axis=-2)  # noqa: E731
+    out = {k: v for k, v in layer.items() if k not in ("gate_proj", "up_proj")}
+    out["gate_up"] = {k: stack(layer["gate_proj"][k], layer["up_proj"][k])
+                      for k in layer["gate_proj"]}
+    return out
+
+
+def _unstack(cfg: ModelConfig, params):
+    cast = lambda a: a.astype(cfg.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
+    out = {k: jax.tree.map(cast, v) for k, v in params.items() if k != "layers"}
+    out["layers"] = tuple(_fuse_gate_up(jax.tree.map(lambda a: cast(a[i]), params["layers"]))
+                          for i in range(cfg.n_layers))
+    return out
+
+
+def _shardings(cfg: ModelConfig, params, mesh):
+    axes = params_lib.logical_axes(params)
+    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(e, (str, type(None)))  # noqa: E731
+                                                     for e in x)
+
+    def spec(shape, logical):
+        return jax.sharding.NamedSharding(mesh, mesh_lib.spec_for(logical, shape, mesh,
+                                                                  DECODE_RULES))
+    out = {k: jax.tree.map(lambda a, ax: spec(a.shape, ax), params[k], axes[k], is_leaf=is_axes)
+           for k in params if k != "layers"}
+    shapes = _fuse_gate_up(jax.tree.map(lambda a: a.shape[1:], params["layers"]),
+                           stack=lambda g, u: (*g[:-1], 2, g[-1]))
+    logical = _fuse_gate_up(jax.tree.map(lambda ax: ax[1:], axes["layers"], is_leaf=is_axes),
+                            stack=lambda g, u: (*g[:-1], None, g[-1]))
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(e, int) for e in x)  # noqa: E731
+    layer = jax.tree.map(spec, shapes, logical, is_leaf=is_shape)
+    out["layers"] = (layer,) * cfg.n_layers
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
+def _to_decode(params, cfg: ModelConfig, mesh):
+    out = _unstack(cfg, params)
+    if mesh is not None:
+        out = jax.lax.with_sharding_constraint(out, _shardings(cfg, params, mesh))
+    return out
+
+
+def decode_params(cfg: ModelConfig, params, mesh=None):
+    """Training-layout params -> decode layout (see the module docstring); a decode-layout
+    tree is returned as it is."""
+    if is_decode_layout(params):
+        return params
+    return _to_decode(params, cfg, mesh)
