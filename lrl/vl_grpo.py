@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import logging
 import os
 import time
@@ -49,10 +48,6 @@ log = logging.getLogger(__name__)
 
 VISION_TOKENS = vl_data.VISION_TOKENS
 build_tokenizer = vl_data.build_tokenizer
-# The rollout driver's prefill hook: `rollout.generate(..., prefill_fn=fn)`, fn(engine, params,
-# state, prefixes) -> state in place of `engine.run_prefill`. Until generate takes it, the
-# engine prefills every prompt itself (`run` warns, and `rollout/sp_prefill` reads 0).
-_GENERATE_TAKES_PREFILL = "prefill_fn" in inspect.signature(rollout.generate).parameters
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -210,7 +205,7 @@ def rollout_groups(r: Run, params, recs, G: int, temperature: float, seed: int):
     m["video/too_long"] = len(fits) - len(recs)
     m["time/vision_s"] = time.time() - t0
     stats, kw = {}, {}
-    if r.prefill_fn is not None and _GENERATE_TAKES_PREFILL:
+    if r.prefill_fn is not None:
         kw["prefill_fn"] = r.prefill_fn
     outs = rollout.generate(
         r.vl_cfg.text, params, [p["ids"] for p in prompts], max_new_tokens=rl_cfg.max_new_tokens,
@@ -325,9 +320,6 @@ def run(config, workdir: str) -> dict:
         embed_cache.EmbeddingCache(v.cache_dir or None),
         config.model.hf_path or f"random:{config.seed}")
     sp = config.model.attention != "dense" and mesh.shape["seq"] > 1
-    if sp and not _GENERATE_TAKES_PREFILL:
-        log.warning("sequence-parallel prefill is built, but lrl.rollout.generate has no "
-                    "prefill_fn hook yet: rollout prompts are prefilled by the engine")
     tx = ex.optimizer(config.optim, rl_cfg.steps)
     loss_cfg = ex.loss_config(config)
     # Sampler log-probs equal the trainer's only for plain temperature-1 sampling.

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from lrl import grpo, models, rollout
+from lrl import grpo, models
 from lrl import mesh as mesh_lib
 from lrl import vl_data, vl_grpo
 from lrl.data import video_task
@@ -155,21 +155,6 @@ def test_video_grpo_on_a_mesh_checkpoints_and_resumes(tmp_path, monkeypatch):
         return batch_records(recs, step, n, seed, shuffle)
 
     monkeypatch.setattr(vl_data, "batch_records", recording)
-    # The prefill hook proposed for lrl.rollout.generate (`prefill_fn`, replacing the engine's
-    # prefill), emulated here until generate.py has it.
-    real_generate = rollout.generate
-
-    def generate(*args, prefill_fn=None, **kwargs):
-        own = Engine.run_prefill
-        Engine.run_prefill = lambda engine, params, state, prefixes: prefill_fn(
-            engine, params, state, prefixes)
-        try:
-            return real_generate(*args, **kwargs)
-        finally:
-            Engine.run_prefill = own
-
-    monkeypatch.setattr(vl_grpo, "_GENERATE_TAKES_PREFILL", True)
-    monkeypatch.setattr(rollout, "generate", generate)
     m = vl_grpo.run(c, str(tmp_path))
     assert all(np.isfinite(x) for x in m.values())
     assert m["grad_norm"] > 0 and m["eval/pass@2"] >= m["eval/pass@1"] >= 0

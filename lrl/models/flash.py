@@ -141,7 +141,6 @@ def _flash_bwd(q, k, v, o, lse, do, masks, scale, cq, ck, dlse=None):
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
-    G = N // K
     cq, ck = min(cq, T), min(ck, S)
     delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), o.astype(jnp.float32))
     if dlse is not None:  # d lse / d s = p, so an lse cotangent just shifts delta

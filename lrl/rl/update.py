@@ -73,11 +73,18 @@ def _micro_merge(x_MBT):
     return jnp.swapaxes(x_MBT, 0, 1).reshape(-1, *x_MBT.shape[2:])
 
 
-def _constrain(tree, mesh):
+def _constrain(batch: dict, mesh):
+    """Rows over (data, fsdp), positions over seq; M-RoPE positions [B, 3, T] keep their 3
+    whole and split T like the tokens."""
     if mesh is None:
-        return tree
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
-        x, mesh_lib.batch_sharding(mesh, x.ndim)), tree)
+        return batch
+
+    def one(key, x):
+        if key == "positions" and x.ndim == 3:
+            rows, seq = mesh_lib.batch_spec(mesh, 2)
+            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(rows, None, seq)))
+        return jax.lax.with_sharding_constraint(x, mesh_lib.batch_sharding(mesh, x.ndim))
+    return {k: one(k, x) for k, x in batch.items()}
 
 
 def _token_logprobs(model_cfg, params, mb, mesh, chunk, compute_entropy, packed=True,
@@ -224,7 +231,8 @@ def make_update_fn(model_cfg, loss_cfg, tx, mesh=None, *, num_micro: int = 1,
                    chunk: int = 1024, compute_entropy: bool = True, packed: bool = True):
     """update_step jitted once: the state is donated; with a mesh, the state keeps its
     sharding, batch rows go over (data, fsdp) and positions over seq, metrics are replicated.
-    Vision-language batches (`fn(state, batch, visual_table)`) run without a mesh for now."""
+    Vision-language batches (`fn(state, batch, visual_table)`) on a mesh go through
+    `lrl.vl_grpo.make_vl_update_fn`, which places the visual table replicated."""
     step = functools.partial(update_step, model_cfg=model_cfg, loss_cfg=loss_cfg, tx=tx,
                              mesh=mesh, num_micro=num_micro, chunk=chunk,
                              compute_entropy=compute_entropy, packed=packed)

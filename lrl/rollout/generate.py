@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -79,7 +79,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
              pallas_k_splits: Optional[int] = None,
              layer_unroll: int = 1, mesh=None, stats: Optional[dict] = None,
              prompt_embeds: Optional[Sequence] = None,
-             prompt_positions: Optional[Sequence] = None):
+             prompt_positions: Optional[Sequence] = None,
+             prefill_fn: Optional[Callable] = None):
     """-> [P][G] list of (token ids int32, log-probs float32) per sample.
 
     The pool holds `pool_tokens` tokens, or `pool_fraction` of free device memory, or by
@@ -88,6 +89,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     peak_pages, pages_allocated, pages_unshared, ...) and blocks on the prefill to time it.
     `pallas_k_splits` (None: from the slot count) splits each row's pages over that many
     programs of the GPU attention kernel, so a few long rows still fill the GPU.
+    `prefill_fn(engine, params, state, prefixes) -> state` replaces `engine.run_prefill`, e.g.
+    `lrl.rollout.sp_prefill.make_prefill(mesh)` for long prompts prefilled over `seq`.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -166,7 +169,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         st["peak_pages"] = max(st["peak_pages"], engine.pool.num_used)
         if new_prefixes:
             t0 = time.perf_counter()
-            state = engine.run_prefill(params, state, new_prefixes)
+            state = (engine.run_prefill(params, state, new_prefixes) if prefill_fn is None
+                     else prefill_fn(engine, params, state, new_prefixes))
             if stats is not None:
                 jax.block_until_ready(state.k_pages)
                 t_prefill += time.perf_counter() - t0
