@@ -259,6 +259,7 @@ def spawn(seq: int, frames: list[int], args, env) -> dict:
             if line.startswith("ROW "):
                 current, deadline = int(line.split()[1]), time.time() + args.budget_s
             elif line.startswith(("RESULT ", "FAILED ")):
+                print(f"seq={seq} {line.strip()}", flush=True)  # kept if a later row hangs
                 r = json.loads(line.split(" ", 1)[1])
                 results[r.pop("frames")] = r if line.startswith("RESULT") else r["why"]
         proc.wait()
