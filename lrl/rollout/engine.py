@@ -49,7 +49,7 @@ from lrl.models.decoder import Block, logits_from_hidden
 from lrl.models.forward import unembedding
 from lrl.models.layers import RMSNorm
 from lrl.rollout import paged_attention as pa
-from lrl.rollout.pages import NULL_PAGE, PagePool, pages_for
+from lrl.rollout.pages import NULL_PAGE, PagePool, page_of, pages_for
 from lrl.rollout.sampling import SamplingParams, sample, sample_keys
 from lrl.rollout.weights import decode_params, is_decode_layout
 
@@ -159,14 +159,6 @@ def _finish_fused(block: Block, x_BTD, attn_BTNH, gate_up):
     return x + block.down_proj(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1])
 
 
-def _page_of(table_BM, pos_BT, valid_BT, page_size):
-    M = table_BM.shape[1]
-    idx = jnp.clip(pos_BT // page_size, 0, M - 1)
-    page = jnp.take_along_axis(table_BM, idx, axis=1)
-    valid_BT = valid_BT & (pos_BT // page_size < M)
-    return jnp.where(valid_BT, page, NULL_PAGE), pos_BT % page_size
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "ecfg", "first"),
                    donate_argnames=("k_pages", "v_pages"))
 def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_valid_B, table_BM,
@@ -178,7 +170,7 @@ def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_val
     C = tokens_BC.shape[1]
     pos_BC = start_B[:, None] + jnp.arange(C, dtype=jnp.int32)
     valid_BC = jnp.arange(C)[None, :] < n_valid_B[:, None]
-    page_BC, offset_BC = _page_of(table_BM, pos_BC, valid_BC, ecfg.page_size)
+    page_BC, offset_BC = page_of(table_BM, pos_BC, valid_BC, ecfg.page_size)
     kv_len_B = start_B + n_valid_B
 
     def attend(q, k, v, kp, vp, base):
@@ -199,7 +191,7 @@ def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_val
 def _decode_step(cfg, ecfg, params, state: DecodeState, rng):
     live = state.active
     pos_B1 = state.lengths[:, None]
-    page_B1, offset_B1 = _page_of(state.page_table, pos_B1, live[:, None], ecfg.page_size)
+    page_B1, offset_B1 = page_of(state.page_table, pos_B1, live[:, None], ecfg.page_size)
     kv_len_B = jnp.where(live, state.lengths + 1, 0)
 
     def attend(q, k, v, kp, vp, base):

@@ -9,6 +9,7 @@ L layers · K kv heads · H head dim.
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from lrl.models.config import ModelConfig
@@ -127,3 +128,13 @@ def num_pages_for_memory(cfg: ModelConfig, page_size: int, fraction: float, devi
         raise ValueError(f"{fraction:.0%} of the {free / 2**30:.2f} GiB free on {device} holds "
                          f"{pages} pages of {page_bytes} bytes; the pool needs at least 2")
     return pages
+
+
+def page_of(table_BM, pos_BT, valid_BT, page_size):
+    """(page, offset) of each token position in its row's page table; invalid tokens and
+    positions past the table go to the null page (written there, never read)."""
+    M = table_BM.shape[1]
+    idx = jnp.clip(pos_BT // page_size, 0, M - 1)
+    page = jnp.take_along_axis(table_BM, idx, axis=1)
+    valid_BT = valid_BT & (pos_BT // page_size < M)
+    return jnp.where(valid_BT, page, NULL_PAGE), pos_BT % page_size

@@ -43,7 +43,7 @@ from lrl.models.forward import ring_layout
 from lrl.models.vl import constrain_positions
 from lrl.rollout import paged_attention as pa
 from lrl.rollout.engine import DecodeState, Engine, Prefix
-from lrl.rollout.pages import NULL_PAGE
+from lrl.rollout.pages import NULL_PAGE, page_of
 
 
 def length_unit(attention: str, seq: int) -> int:
@@ -63,14 +63,6 @@ def bucket_length(n: int, unit: int, minimum: int = 16) -> int:
     return -(-n // step) * step
 
 
-def _pages_of(table_BM, pos_BT, valid_BT, page_size):
-    M = table_BM.shape[1]
-    idx = jnp.clip(pos_BT // page_size, 0, M - 1)
-    page = jnp.take_along_axis(table_BM, idx, axis=1)
-    valid_BT = valid_BT & (pos_BT // page_size < M)
-    return jnp.where(valid_BT, page, NULL_PAGE), pos_BT % page_size
-
-
 def prefill_rows(cfg, mesh, page_size, pool_sharding, params, k_pages, v_pages, tokens_BT,
                  n_valid_B, table_BM, embeds_BTD=None, positions_3BT=None):
     """Writes the K/V of tokens [0, n_valid) of each row into its pages (`table_BM`), every
@@ -81,7 +73,7 @@ def prefill_rows(cfg, mesh, page_size, pool_sharding, params, k_pages, v_pages, 
     B, T = tokens_BT.shape
     pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     valid_BT = pos_BT < n_valid_B[:, None]
-    page_BT, offset_BT = _pages_of(table_BM, pos_BT, valid_BT, page_size)
+    page_BT, offset_BT = page_of(table_BM, pos_BT, valid_BT, page_size)
     x = (jnp.take(params["embed"]["embedding"], tokens_BT, axis=0) if embeds_BTD is None
          else embeds_BTD).astype(cfg.dtype)
     rope = pos_BT if positions_3BT is None else positions_3BT
