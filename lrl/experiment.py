@@ -157,7 +157,8 @@ def sft_source(config):
         raise ValueError("sft.paths is empty: an SFT phase needs prompt/response records "
                          "(sft.paths) unless data.source='synthetic'")
     return sources.SyntheticSource(config.data.task, config.data.size, seed=config.seed + 1,
-                                   sft=True, **task_kwargs(config))
+                                   sft=True, answer_noise=config.sft.answer_noise,
+                                   **task_kwargs(config))
 
 
 def prompt_iterator(config, tokenizer, mesh, split: str = "train"):

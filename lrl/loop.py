@@ -202,6 +202,8 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> 
     step = int(data_state.get("step", 0))
     metrics = {}
     try:
+        if evaluator and step == 0:  # the baseline: the policy as GRPO starts
+            r.writer.write(offset, evaluator(state.params, 0, pool))
         while step < steps:
             t0 = time.time()
             rollout_stats = {}

@@ -96,10 +96,17 @@ class MetricsWriter:
         axes = fig.subplots(len(keys), 1, squeeze=False)
         for ax, key in zip(axes[:, 0], keys):
             pts = [(r["step"], r[key]) for r in rows if key in r]
-            ax.plot(*zip(*pts), marker=".")
+            ax.plot(*zip(*pts), marker=".", alpha=0.4 if len(pts) >= 16 else 1.0, label="train")
+            if len(pts) >= 16:  # per-step values are noisy: a trailing mean shows the trend
+                w = 8
+                xs, ys = zip(*pts)
+                trail = [sum(ys[max(0, i - w + 1):i + 1]) / len(ys[max(0, i - w + 1):i + 1])
+                         for i in range(len(ys))]
+                ax.plot(xs, trail, label=f"train, mean of last {w}")
             evals = [(r["step"], r[f"eval/{key}"]) for r in rows if f"eval/{key}" in r]
             if evals:
-                ax.plot(*zip(*evals), marker="o", linestyle="--", label="eval")
+                ax.plot(*zip(*evals), marker="o", linestyle="--", label="held-out eval")
+            if evals or len(pts) >= 16:
                 ax.legend()
             ax.set_ylabel(key)
             ax.grid(alpha=0.3)

@@ -96,6 +96,26 @@ def test_arithmetic_answer_and_sft_format():
         synthetic.make_example("kv_retrieval", 0, 0, num_pairs=3, min_pairs=4)
 
 
+def test_sft_answer_noise_boxes_a_near_miss_after_right_reasoning():
+    kw = dict(num_terms=3, min_terms=2, max_operand=9)
+    wrong = 0
+    for i in range(400):
+        clean = synthetic.sft_example("arithmetic", 0, i, **kw)
+        noisy = synthetic.sft_example("arithmetic", 0, i, answer_noise=0.3, **kw)
+        assert noisy["answer"] == clean["answer"] and noisy["prompt"] == clean["prompt"]
+        think = re.fullmatch(r"(<think>.*</think>\n)\\boxed\{(\d+)\}", noisy["response"], re.S)
+        assert think and clean["response"].startswith(think.group(1))  # reasoning untouched
+        if think.group(2) != clean["answer"]:
+            wrong += 1
+            assert 1 <= abs(int(think.group(2)) - int(clean["answer"])) <= 3
+        assert noisy == synthetic.sft_example("arithmetic", 0, i, answer_noise=0.3, **kw)
+    assert 90 <= wrong <= 150  # 30% of 400, give or take three standard deviations
+    kv = synthetic.sft_example("kv_retrieval", 0, 5, answer_noise=0.99)
+    assert kv["response"] != f"\\boxed{{{kv['answer']}}}"
+    with pytest.raises(ValueError, match="answer_noise"):
+        synthetic.sft_example("arithmetic", 0, 0, answer_noise=1.0)
+
+
 # ---------------------------------------------------------------------------- sources
 
 def _write_jsonl(path, lines):

@@ -52,7 +52,9 @@ def test_grpo_runs_end_to_end_and_writes_what_it_promises(tmp_path):
     for name in ("metrics.jsonl", "samples.jsonl", "grpo_curves.png", "sft_curves.png"):
         assert (tmp_path / name).exists(), name
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    grpo_rows = [r for r in rows if r["phase"] == "grpo"]
+    baseline, *grpo_rows = [r for r in rows if r["phase"] == "grpo"]
+    # The held-out eval of the policy as GRPO starts, then one row per GRPO step.
+    assert baseline["step"] == 3 and "eval/pass@2" in baseline and "loss" not in baseline
     assert [r["step"] for r in grpo_rows] == [4, 5, 6]
     assert all(np.isfinite(r["loss"]) and "reward/mean" in r for r in grpo_rows)
     assert "eval/pass@2" in grpo_rows[1] and grpo_rows[0]["reward/n_items"] == 8

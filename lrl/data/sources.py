@@ -264,13 +264,14 @@ class SyntheticSource:
     With `sft`, each example also carries its ``"response"`` in the documented format."""
 
     def __init__(self, task: str, size: int, seed: int = 0, sft: bool = False,
-                 think: bool = True, **task_kwargs):
+                 think: bool = True, answer_noise: float = 0.0, **task_kwargs):
         if task not in synthetic.TASKS:
             raise ValueError(f"unknown synthetic task {task!r}; known: {sorted(synthetic.TASKS)}")
         if size < 1:
             raise ValueError(f"SyntheticSource: size={size} must be >= 1")
         self.task, self.size, self.seed = task, int(size), int(seed)
         self.sft, self.think, self.task_kwargs = sft, think, task_kwargs
+        self.answer_noise = float(answer_noise)
         self.num_malformed = 0
         synthetic.make_example(task, seed, 0, **task_kwargs)  # bad kwargs fail here, not later
 
@@ -283,7 +284,7 @@ class SyntheticSource:
             raise IndexError(f"SyntheticSource index {index} out of range [0, {self.size})")
         if self.sft:
             return synthetic.sft_example(self.task, self.seed, index, think=self.think,
-                                         **self.task_kwargs)
+                                         answer_noise=self.answer_noise, **self.task_kwargs)
         return synthetic.make_example(self.task, self.seed, index, **self.task_kwargs)
 
     def __repr__(self) -> str:

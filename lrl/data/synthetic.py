@@ -132,19 +132,44 @@ def make_example(task: str, seed: int, index: int, **task_kwargs) -> dict[str, A
     return TASKS[task](seed, index, **task_kwargs)
 
 
-def sft_response(example: dict[str, Any], think: bool = True) -> str:
-    """The target completion of `example` in the documented answer format."""
-    boxed = f"\\boxed{{{example['answer']}}}"
+def sft_response(example: dict[str, Any], think: bool = True, boxed: str | None = None) -> str:
+    """The target completion of `example` in the documented answer format (boxing `boxed`
+    instead of the answer when given)."""
+    box = f"\\boxed{{{example['answer'] if boxed is None else boxed}}}"
     if not think:
-        return boxed
-    return f"<think>{example['metadata']['steps']}</think>\n{boxed}"
+        return box
+    return f"<think>{example['metadata']['steps']}</think>\n{box}"
 
 
-def sft_example(task: str, seed: int, index: int, think: bool = True,
+def wrong_answer(answer: str, rng: np.random.Generator) -> str:
+    """A plausible wrong answer: an integer moved by 1 to 3 (kept non-negative), any other
+    string with one character changed (a letter for a letter, a digit for a digit)."""
+    if answer.isdigit() and len(answer) < 6:
+        value = int(answer)
+        deltas = [d for d in (-3, -2, -1, 1, 2, 3) if value + d >= 0]
+        return str(value + int(rng.choice(deltas)))
+    i = int(rng.integers(len(answer)))
+    pool = _LETTERS if answer[i].isalpha() else "0123456789"
+    other = [c for c in pool if c != answer[i]]
+    return answer[:i] + str(rng.choice(other)) + answer[i + 1:]
+
+
+def sft_example(task: str, seed: int, index: int, think: bool = True, answer_noise: float = 0.0,
                 **task_kwargs) -> dict[str, Any]:
-    """`make_example` plus ``"response"``: the (prompt, response) record of the SFT warm start."""
+    """`make_example` plus ``"response"``: the (prompt, response) record of the SFT warm start.
+
+    With `answer_noise` = p, a fraction p of the demonstrations (chosen by seed and index)
+    reason correctly but box a wrong answer: a warm start with a flaw of the kind that SFT data
+    has and a verifier-rewarded RL phase can find and correct."""
+    if not 0.0 <= answer_noise < 1.0:
+        raise ValueError(f"synthetic {task}: answer_noise={answer_noise} must be in [0, 1)")
     example = make_example(task, seed, index, **task_kwargs)
-    return {**example, "response": sft_response(example, think=think)}
+    boxed = None
+    if answer_noise:
+        rng = _rng(task + ":noise", seed, index)
+        if rng.random() < answer_noise:
+            boxed = wrong_answer(example["answer"], rng)
+    return {**example, "response": sft_response(example, think=think, boxed=boxed)}
 
 
 def synthetic_corpus(num_examples: int = 2000, seed: int = 0,
