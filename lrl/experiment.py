@@ -205,8 +205,15 @@ def loss_config(config):
 
 
 def optimizer(o, total_steps: int, lr: float | None = None, warmup: int | None = None):
+    """The phase's optimizer. A warm-up longer than the phase (a short smoke run of a config
+    tuned for longer ones) is cut to the phase's length, and said so."""
     from lrl.rl.optim import make_optimizer
-    return make_optimizer(lr=o.lr if lr is None else lr,
-                          warmup_steps=o.warmup_steps if warmup is None else warmup,
-                          total_steps=max(total_steps, 1), b1=o.b1, b2=o.b2,
+    total_steps = max(total_steps, 1)
+    warmup = o.warmup_steps if warmup is None else warmup
+    if warmup > total_steps:
+        logging.warning("warm-up of %d steps is longer than the %d-step phase: cut to %d",
+                        warmup, total_steps, total_steps)
+        warmup = total_steps
+    return make_optimizer(lr=o.lr if lr is None else lr, warmup_steps=warmup,
+                          total_steps=total_steps, b1=o.b1, b2=o.b2,
                           weight_decay=o.weight_decay, clip_norm=o.clip_norm)
