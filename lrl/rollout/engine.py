@@ -2,8 +2,8 @@
 of JetStream's Engine API, on the training model's own parameter arrays.
 
 Device state is one pytree (`DecodeState`); every device step is a module-level pure function
-jitted once per shape bucket. Host state (which pages and slots are in use) lives in the
-`Engine` object beside it, in plain Python and numpy.
+in `lrl.rollout.steps`, jitted once per shape bucket. Host state (which pages and slots are in
+use) lives in the `Engine` object here, in plain Python and numpy.
 
 How a prompt of T tokens becomes G samples:
 - `prefill` writes the KV of its first T - 1 tokens into fresh pages (in chunks of at most
@@ -35,9 +35,8 @@ N query heads · K kv heads · H head dim · L layers · M pages per slot.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -45,236 +44,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lrl.models.config import ModelConfig
-from lrl.models.decoder import Block, logits_from_hidden
-from lrl.models.forward import unembedding
-from lrl.models.layers import RMSNorm
 from lrl.rollout import paged_attention as pa
-from lrl.rollout.pages import NULL_PAGE, PagePool, page_of, pages_for
-from lrl.rollout.sampling import SamplingParams, sample, sample_keys
-from lrl.rollout.weights import decode_params, is_decode_layout
+from lrl.rollout.pages import NULL_PAGE, PagePool, pages_for
+# The device half; EngineConfig, DecodeState and StepOutput are re-exported from here.
+from lrl.rollout.steps import (DecodeState, EngineConfig, StepOutput, _zero_state, deactivate,
+                               decode_steps, insert_slots, prefill_chunk)
+from lrl.rollout.weights import decode_params
 
+__all__ = ["DecodeState", "Engine", "EngineConfig", "Prefix", "SlotPlan", "StepOutput"]
 
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    page_size: int = 16
-    num_pages: int = 1024            # pool size per layer, null page included
-    max_slots: int = 8               # S: rows of every decode step
-    max_pages_per_slot: int = 64     # M before rounding up to the kernels' block multiple
-    prefill_chunk: int = 4096        # longest prefill call (power of two); longer prompts chunk
-    min_prefill_bucket: int = 16     # shortest prefill call (power of two)
-    eos_ids: tuple[int, ...] = ()    # tokens that end a sample (kept in its output)
-    sampling: SamplingParams = SamplingParams()
-    attention_impl: Optional[str] = None  # None: Pallas on one GPU, else XLA
-    decode_block_pages: int = 8      # pages per compute block of decode attention
-    prefill_block_pages: int = 64    # pages per block when a prefill chunk reads the pages
-    pallas_k_splits: int = 4         # splits of the kv axis in the Pallas kernel
-    layer_unroll: int = 1            # unroll of the layer scan (fewer loop trips per step)
-
-    def __post_init__(self):
-        for name in ("prefill_chunk", "min_prefill_bucket"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two, got {v}")
-        if self.min_prefill_bucket > self.prefill_chunk:
-            raise ValueError(f"min_prefill_bucket {self.min_prefill_bucket} > prefill_chunk "
-                             f"{self.prefill_chunk}")
-        if self.page_size < 1 or self.max_slots < 1 or self.max_pages_per_slot < 1:
-            raise ValueError(f"page_size, max_slots and max_pages_per_slot must be positive: "
-                             f"{self.page_size}, {self.max_slots}, {self.max_pages_per_slot}")
-        if self.attention_impl not in (None, *pa.IMPLS, "pallas_interpret"):
-            raise ValueError(f"attention_impl={self.attention_impl!r}; choose None or {pa.IMPLS}")
-
-    @property
-    def pages_per_slot(self) -> int:
-        """M, rounded up so that both attention paths tile it exactly."""
-        align = int(np.lcm(self.prefill_block_pages,
-                           self.decode_block_pages * self.pallas_k_splits))
-        return pages_for(self.max_pages_per_slot, align) * align
-
-
-class DecodeState(NamedTuple):
-    k_pages: jax.Array      # [K, L * num_pages, page_size, H]
-    v_pages: jax.Array
-    page_table: jax.Array   # [S, M] int32, unused entries at the null page
-    lengths: jax.Array      # [S] int32: tokens in the cache (= position of `tokens`)
-    tokens: jax.Array       # [S] int32: the next token to feed
-    active: jax.Array       # [S] bool
-    remaining: jax.Array    # [S] int32: tokens still to sample
-    sample_ids: jax.Array   # [S] int32: who the slot samples for (key derivation)
-    steps: jax.Array        # [S] int32: tokens sampled so far (key derivation)
-    rope_delta: jax.Array   # [S] int32: rotary position minus cache index (M-RoPE prompts)
-
-
-class StepOutput(NamedTuple):
-    tokens: jax.Array       # [n, S] int32
-    logps: jax.Array        # [n, S] float32
-    valid: jax.Array        # [n, S] bool: the slot was live and sampled this token
-
-
-# ----------------------------------------------------------------------------- device steps
-
-def _embed(cfg, params, tokens):
-    return jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(cfg.dtype)
-
-
-def _run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT, attend,
-                unroll=1):
-    """The training Block's two halves around a paged write and a paged attention. Stacked
-    layers (the training layout) are scanned; a tuple of layers (`weights.decode_params`)
-    is unrolled, so no layer is sliced out of a stack inside the step."""
-    P = k_pages.shape[1] // cfg.n_layers
-    block = Block(cfg)
-
-    def body(carry, xs):
-        x, kp, vp = carry
-        layer_p, layer = xs
-        q, k, v = block.apply({"params": layer_p}, x, pos_BT, method=Block.qkv)
-        base = layer * P
-        kp, vp = pa.write_kv(kp, vp, k, v, page_BT + base, offset_BT)
-        attn = attend(q, k, v, kp, vp, base)
-        if "gate_up" in layer_p:
-            x = block.apply({"params": layer_p}, x, attn, layer_p["gate_up"],
-                            method=_finish_fused)
-        else:
-            x = block.apply({"params": layer_p}, x, attn, method=Block.finish)
-        return (x, kp, vp), None
-
-    if is_decode_layout(params):
-        carry = (x_BTD, k_pages, v_pages)
-        for layer, layer_p in enumerate(params["layers"]):
-            carry, _ = body(carry, (layer_p, layer))
-        return carry
-    xs = (params["layers"], jnp.arange(cfg.n_layers, dtype=jnp.int32))
-    (x, k_pages, v_pages), _ = jax.lax.scan(body, (x_BTD, k_pages, v_pages), xs, unroll=unroll)
-    return x, k_pages, v_pages
-
-
-def _finish_fused(block: Block, x_BTD, attn_BTNH, gate_up):
-    """Block.finish with the decode layout's one [D, 2, F] gate-and-up weight."""
-    x = x_BTD + block.o_proj(attn_BTNH)
-    h = block.post_attn_norm(x)
-    gu = jnp.einsum("btd,dkf->btkf", h, gate_up["kernel"].astype(h.dtype))
-    if "bias" in gate_up:
-        gu = gu + gate_up["bias"].astype(h.dtype)
-    return x + block.down_proj(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1])
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "ecfg", "first"),
-                   donate_argnames=("k_pages", "v_pages"))
-def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_valid_B, table_BM,
-                  first: bool, embeds_BCD=None, rope_pos_3BC=None):
-    """Writes the KV of tokens [start, start + n_valid) of each row into its pages. `first`:
-    every row starts at 0, so the chunk attends only to itself (flash attention on GPU).
-    Multimodal rows pass their input embeddings and M-RoPE positions instead of using the
-    token embeddings and the cache index as rotary position."""
-    C = tokens_BC.shape[1]
-    pos_BC = start_B[:, None] + jnp.arange(C, dtype=jnp.int32)
-    valid_BC = jnp.arange(C)[None, :] < n_valid_B[:, None]
-    page_BC, offset_BC = page_of(table_BM, pos_BC, valid_BC, ecfg.page_size)
-    kv_len_B = start_B + n_valid_B
-
-    def attend(q, k, v, kp, vp, base):
-        if first:
-            return pa.chunk_self_attention(q, k, v)
-        return pa.paged_attention_xla(q, pos_BC, kp, vp, table_BM, kv_len_B, base,
-                                      ecfg.prefill_block_pages)
-
-    x_BCD = (_embed(cfg, params, tokens_BC) if embeds_BCD is None
-             else embeds_BCD.astype(cfg.dtype))
-    rope_pos = pos_BC if rope_pos_3BC is None else rope_pos_3BC
-    _, k_pages, v_pages = _run_layers(cfg, params, x_BCD, rope_pos,
-                                      k_pages, v_pages, page_BC, offset_BC, attend,
-                                      ecfg.layer_unroll)
-    return k_pages, v_pages
-
-
-def _decode_step(cfg, ecfg, params, state: DecodeState, rng):
-    live = state.active
-    pos_B1 = state.lengths[:, None]
-    page_B1, offset_B1 = page_of(state.page_table, pos_B1, live[:, None], ecfg.page_size)
-    kv_len_B = jnp.where(live, state.lengths + 1, 0)
-
-    def attend(q, k, v, kp, vp, base):
-        return pa.decode_attention(q, kp, vp, state.page_table, kv_len_B, base,
-                                   impl=ecfg.attention_impl, pages_per_block=ecfg.decode_block_pages,
-                                   k_splits=ecfg.pallas_k_splits)
-
-    rope_B1 = pos_B1 + state.rope_delta[:, None]   # text tokens: one position for t, h, w
-    x, kp, vp = _run_layers(cfg, params, _embed(cfg, params, state.tokens[:, None]), rope_B1,
-                            state.k_pages, state.v_pages, page_B1, offset_B1, attend,
-                            ecfg.layer_unroll)
-    norm = RMSNorm(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-    x = norm.apply({"params": params["final_norm"]}, x)
-    logits_BV = logits_from_hidden(x, unembedding(cfg, params))[:, 0]
-    keys = sample_keys(rng, state.sample_ids, state.steps)
-    tok_B, logp_B = sample(logits_BV, keys, ecfg.sampling)
-    stop = (jnp.isin(tok_B, jnp.asarray(ecfg.eos_ids, jnp.int32)) if ecfg.eos_ids
-            else jnp.zeros_like(live))
-    remaining = state.remaining - live
-    state = state._replace(
-        k_pages=kp, v_pages=vp,
-        lengths=state.lengths + live, tokens=jnp.where(live, tok_B, state.tokens),
-        active=live & ~stop & (remaining > 0), remaining=remaining, steps=state.steps + live)
-    return state, (tok_B, logp_B, live)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "ecfg", "num_steps"),
-                   donate_argnames=("state",))
-def decode_steps(cfg, ecfg, params, state: DecodeState, rng, num_steps: int):
-    """Up to `num_steps` decode steps; stops early once no slot is live."""
-    S = state.tokens.shape[0]
-    out = StepOutput(jnp.zeros((num_steps, S), jnp.int32), jnp.zeros((num_steps, S), jnp.float32),
-                     jnp.zeros((num_steps, S), bool))
-
-    def cond(c):
-        i, st, _ = c
-        return (i < num_steps) & jnp.any(st.active)
-
-    def body(c):
-        i, st, o = c
-        st, (tok, logp, live) = _decode_step(cfg, ecfg, params, st, rng)
-        o = StepOutput(o.tokens.at[i].set(tok), o.logps.at[i].set(logp), o.valid.at[i].set(live))
-        return i + 1, st, o
-
-    _, state, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out))
-    return state, out
-
-
-@functools.partial(jax.jit, static_argnames=("num_layers",), donate_argnames=("state",))
-def insert_slots(state: DecodeState, slot_B, row_BM, length_B, token_B, remaining_B, sample_B,
-                 copy_src_B, copy_dst_B, num_layers: int, delta_B=None):
-    """Copies each new slot's partial prompt page (all layers) and sets its row. Padding rows
-    carry slot index S (dropped) and copy the null page onto itself."""
-    P = state.k_pages.shape[1] // num_layers
-    base_L1 = jnp.arange(num_layers, dtype=jnp.int32)[:, None] * P
-    src, dst = base_L1 + copy_src_B[None], base_L1 + copy_dst_B[None]
-    kp = state.k_pages.at[:, dst].set(state.k_pages[:, src])
-    vp = state.v_pages.at[:, dst].set(state.v_pages[:, src])
-    put = lambda a, v: a.at[slot_B].set(v, mode="drop")  # noqa: E731
-    return state._replace(
-        k_pages=kp, v_pages=vp, page_table=put(state.page_table, row_BM),
-        lengths=put(state.lengths, length_B), tokens=put(state.tokens, token_B),
-        active=put(state.active, jnp.ones_like(slot_B, bool)),
-        remaining=put(state.remaining, remaining_B), sample_ids=put(state.sample_ids, sample_B),
-        steps=put(state.steps, jnp.zeros_like(slot_B)),
-        rope_delta=put(state.rope_delta, jnp.zeros_like(slot_B) if delta_B is None else delta_B))
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def deactivate(state: DecodeState, slot_mask_S):
-    return state._replace(active=state.active & ~slot_mask_S,
-                          page_table=jnp.where(slot_mask_S[:, None], NULL_PAGE, state.page_table))
-
-
-def _zero_state(cfg, ecfg) -> DecodeState:
-    S, M = ecfg.max_slots, ecfg.pages_per_slot
-    pool = (cfg.n_kv_heads, cfg.n_layers * ecfg.num_pages, ecfg.page_size, cfg.head_dim)
-    i32 = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-    return DecodeState(jnp.zeros(pool, cfg.dtype), jnp.zeros(pool, cfg.dtype), i32(S, M), i32(S),
-                       i32(S), jnp.zeros(S, bool), i32(S), i32(S), i32(S), i32(S))
-
-
-# ----------------------------------------------------------------------------- host side
 
 @dataclasses.dataclass
 class Prefix:
@@ -319,7 +97,8 @@ class SlotPlan:
 
 
 class Engine:
-    """Host bookkeeping (page pool, slot rows) around the pure device steps above."""
+    """Host bookkeeping (page pool, slot rows) around the pure device steps of
+    `lrl.rollout.steps`."""
 
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, mesh=None):
         self.cfg = cfg.replace(remat="none")

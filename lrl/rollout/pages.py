@@ -1,7 +1,7 @@
 """Host-side bookkeeping of the paged KV cache: the pool's free list and reference counts, how
 many pages a prompt or a sample needs, and how large a pool fits in memory.
 
-The device holds the pages themselves (`lrl.rollout.engine.DecodeState`); this module only
+The device holds the pages themselves (`lrl.rollout.steps.DecodeState`); this module only
 decides which page ids are in use. Page 0 is the null page: it is never handed out, idle slots
 and padding tokens write into it, and every unused page-table entry points at it.
 
