@@ -114,21 +114,11 @@ def _fresh_optimizer(r: Run, state, tx):
 
 
 def _restore(r: Run, tx):
-    shardings = update_lib.train_state_shardings(r.model_cfg, tx, r.mesh)
-    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            _abstract_state(r, tx), shardings)
-    got = r.ckpt.restore(abstract)
+    got = r.ckpt.restore(update_lib.abstract_train_state(r.model_cfg, tx, r.mesh))
     if got is not None:
         log.info("resumed from %s (step %d, phase %s)", got.path, got.step,
                  got.data_state.get("phase"))
     return got
-
-
-def _abstract_state(r: Run, tx):
-    from lrl import models
-    shapes = models.abstract_params(r.model_cfg)
-    return update_lib.TrainState(jax.ShapeDtypeStruct((), np.int32), shapes,
-                                 jax.eval_shape(tx.init, shapes))
 
 
 def _put_batch(r: Run, arrays: dict):

@@ -243,13 +243,7 @@ def evaluate(r: Run, params, held_out, step: int) -> dict:
 # ----------------------------------------------------------------------------- the loop
 
 def _restore(ckpt, text_cfg, tx, mesh):
-    shapes = models.abstract_params(text_cfg)
-    abstract = update_lib.TrainState(jax.ShapeDtypeStruct((), np.int32), shapes,
-                                     jax.eval_shape(tx.init, shapes))
-    shardings = update_lib.train_state_shardings(text_cfg, tx, mesh)
-    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            abstract, shardings)
-    got = ckpt.restore(abstract)
+    got = ckpt.restore(update_lib.abstract_train_state(text_cfg, tx, mesh))
     if got is not None:
         log.info("resumed from %s (step %d)", got.path, got.step)
     return got

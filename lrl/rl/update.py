@@ -218,6 +218,16 @@ def train_state_shardings(model_cfg, tx, mesh) -> TrainState:
     return TrainState(replicated, param_sh, opt_sh)
 
 
+def abstract_train_state(model_cfg, tx, mesh) -> TrainState:
+    """The train state as ShapeDtypeStructs carrying their shardings: what a checkpoint
+    restore reads into."""
+    shapes = models.abstract_params(model_cfg)
+    abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), shapes,
+                          jax.eval_shape(tx.init, shapes))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        abstract, train_state_shardings(model_cfg, tx, mesh))
+
+
 def make_init_fn(model_cfg, tx, mesh=None):
     """rng -> TrainState, every array created directly in its sharding."""
     def init(rng):

@@ -171,7 +171,8 @@ class Engine:
         return Prefix(tokens, self.pool.alloc(self.prefix_pages(tokens.size)),
                       partial=n % self.ecfg.page_size != 0, embeds=embeds, positions=positions)
 
-    def _row(self, pages) -> np.ndarray:
+    def page_row(self, pages) -> np.ndarray:
+        """A slot's page-table row: `pages`, then the null page."""
         row = np.full(self.ecfg.pages_per_slot, NULL_PAGE, np.int32)
         row[:len(pages)] = pages
         return row
@@ -211,7 +212,7 @@ class Engine:
             chunk = pre.tokens[start:min(start + C, pre.cached)]
             tokens[r, :chunk.size] = chunk
             n_valid[r] = chunk.size
-            table[r] = self._row(pre.pages)
+            table[r] = self.page_row(pre.pages)
         embeds = rope = None
         if prefixes[0].embeds is not None:
             D = self.cfg.d_model
@@ -270,7 +271,7 @@ class Engine:
         length, token, remaining, sample_id, src, dst, delta = (np.zeros(S, np.int32)
                                                                 for _ in range(7))
         for i, p in enumerate(plans):
-            slot[i], rows[i] = p.slot, self._row(p.pages)
+            slot[i], rows[i] = p.slot, self.page_row(p.pages)
             length[i], token[i] = p.prefix.cached, p.prefix.tokens[-1]
             remaining[i], sample_id[i] = p.max_new_tokens, p.sample_id
             src[i], dst[i] = p.copy_src, p.copy_dst

@@ -38,12 +38,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lrl import mesh as mesh_lib
 from lrl.models.attention import attend
-from lrl.models.decoder import Block, constrain
+from lrl.models.decoder import constrain
 from lrl.models.forward import ring_layout
 from lrl.models.vl import constrain_positions
-from lrl.rollout import paged_attention as pa
 from lrl.rollout.engine import DecodeState, Engine, Prefix
 from lrl.rollout.pages import NULL_PAGE, page_of
+from lrl.rollout.steps import run_layers
 
 
 def length_unit(attention: str, seq: int) -> int:
@@ -83,22 +83,11 @@ def prefill_rows(cfg, mesh, page_size, pool_sharding, params, k_pages, v_pages, 
         x, page_BT, offset_BT = (jnp.take(a, perm, axis=1) for a in (x, page_BT, offset_BT))
         rope = jnp.take(rope, perm, axis=rope.ndim - 1)
     rope = constrain_positions(rope, mesh)
-    per_layer = k_pages.shape[1] // cfg.n_layers
-    block = Block(cfg, mesh)
-
-    def body(carry, xs):
-        x, kp, vp = carry
-        layer_params, layer = xs
-        q, k, v = block.apply({"params": layer_params}, x, rope, method=Block.qkv)
-        kp, vp = pa.write_kv(kp, vp, k, v, page_BT + layer * per_layer, offset_BT)
-        kp = jax.lax.with_sharding_constraint(kp, pool_sharding)
-        vp = jax.lax.with_sharding_constraint(vp, pool_sharding)
-        attn = attend(cfg, mesh, q, k, v, None)   # padding is after the prompt: plain causal
-        x = constrain(block.apply({"params": layer_params}, x, attn, method=Block.finish), mesh)
-        return (x, kp, vp), None
-
-    xs = (params["layers"], jnp.arange(cfg.n_layers, dtype=jnp.int32))
-    (_, k_pages, v_pages), _ = jax.lax.scan(body, (constrain(x, mesh), k_pages, v_pages), xs)
+    # Padding comes after the prompt, so plain causal attention over the whole row.
+    _, k_pages, v_pages = run_layers(
+        cfg, params, constrain(x, mesh), rope, k_pages, v_pages, page_BT, offset_BT,
+        lambda q, k, v, kp, vp, base: attend(cfg, mesh, q, k, v, None),
+        mesh=mesh, pool_sharding=pool_sharding)
     return k_pages, v_pages
 
 
@@ -112,12 +101,6 @@ def compiled_prefill(cfg, mesh, page_size: int, pool_sharding):
     return jax.jit(fn, donate_argnums=(1, 2), out_shardings=(pool_sharding, pool_sharding))
 
 
-def _page_row(engine: Engine, pages: Sequence[int]) -> np.ndarray:
-    row = np.full(engine.ecfg.pages_per_slot, NULL_PAGE, np.int32)
-    row[:len(pages)] = pages
-    return row
-
-
 def _call(engine: Engine, cfg, params, mesh, kp, vp, group: list[Prefix], rows: int, T: int):
     """One sharded prefill of up to `rows` prefixes padded to T tokens."""
     tokens = np.zeros((rows, T), np.int32)
@@ -125,7 +108,7 @@ def _call(engine: Engine, cfg, params, mesh, kp, vp, group: list[Prefix], rows: 
     table = np.full((rows, engine.ecfg.pages_per_slot), NULL_PAGE, np.int32)
     for r, pre in enumerate(group):
         n = pre.cached
-        tokens[r, :n], n_valid[r], table[r] = pre.tokens[:n], n, _page_row(engine, pre.pages)
+        tokens[r, :n], n_valid[r], table[r] = pre.tokens[:n], n, engine.page_row(pre.pages)
     embeds = positions = None
     if group[0].embeds is not None:
         positions = np.zeros((3, rows, T), np.int32)

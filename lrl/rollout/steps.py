@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lrl.models.decoder import Block, logits_from_hidden
+from lrl.models.decoder import Block, constrain, logits_from_hidden
 from lrl.models.forward import unembedding
 from lrl.models.layers import RMSNorm
 from lrl.rollout import paged_attention as pa
@@ -87,13 +87,15 @@ def _embed(cfg, params, tokens):
     return jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(cfg.dtype)
 
 
-def _run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT, attend,
-                unroll=1):
+def run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT, attend,
+               unroll=1, mesh=None, pool_sharding=None):
     """The training Block's two halves around a paged write and a paged attention. Stacked
     layers (the training layout) are scanned; a tuple of layers (`weights.decode_params`)
-    is unrolled, so no layer is sliced out of a stack inside the step."""
+    is unrolled, so no layer is sliced out of a stack inside the step. With a mesh (the
+    sequence-parallel prefill), activations keep the training layout between layers and the
+    pool keeps `pool_sharding`."""
     P = k_pages.shape[1] // cfg.n_layers
-    block = Block(cfg)
+    block = Block(cfg, mesh)
 
     def body(carry, xs):
         x, kp, vp = carry
@@ -101,13 +103,16 @@ def _run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT
         q, k, v = block.apply({"params": layer_p}, x, pos_BT, method=Block.qkv)
         base = layer * P
         kp, vp = pa.write_kv(kp, vp, k, v, page_BT + base, offset_BT)
+        if pool_sharding is not None:
+            kp = jax.lax.with_sharding_constraint(kp, pool_sharding)
+            vp = jax.lax.with_sharding_constraint(vp, pool_sharding)
         attn = attend(q, k, v, kp, vp, base)
         if "gate_up" in layer_p:
             x = block.apply({"params": layer_p}, x, attn, layer_p["gate_up"],
                             method=_finish_fused)
         else:
             x = block.apply({"params": layer_p}, x, attn, method=Block.finish)
-        return (x, kp, vp), None
+        return (constrain(x, mesh), kp, vp), None
 
     if is_decode_layout(params):
         carry = (x_BTD, k_pages, v_pages)
@@ -152,7 +157,7 @@ def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_val
     x_BCD = (_embed(cfg, params, tokens_BC) if embeds_BCD is None
              else embeds_BCD.astype(cfg.dtype))
     rope_pos = pos_BC if rope_pos_3BC is None else rope_pos_3BC
-    _, k_pages, v_pages = _run_layers(cfg, params, x_BCD, rope_pos,
+    _, k_pages, v_pages = run_layers(cfg, params, x_BCD, rope_pos,
                                       k_pages, v_pages, page_BC, offset_BC, attend,
                                       ecfg.layer_unroll)
     return k_pages, v_pages
@@ -170,7 +175,7 @@ def _decode_step(cfg, ecfg, params, state: DecodeState, rng):
                                    k_splits=ecfg.pallas_k_splits)
 
     rope_B1 = pos_B1 + state.rope_delta[:, None]   # text tokens: one position for t, h, w
-    x, kp, vp = _run_layers(cfg, params, _embed(cfg, params, state.tokens[:, None]), rope_B1,
+    x, kp, vp = run_layers(cfg, params, _embed(cfg, params, state.tokens[:, None]), rope_B1,
                             state.k_pages, state.v_pages, page_B1, offset_B1, attend,
                             ecfg.layer_unroll)
     norm = RMSNorm(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
