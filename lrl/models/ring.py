@@ -154,8 +154,21 @@ def _fwd_off_diagonal(cfg, q, kv, seg, seg_all, acc, idx, src):
         o, lse = acc
         qs = None if seg is None else seg[:, c:]
         o2, lse2 = _merge(o[:, c:], lse[:, :, c:], *cfg.block(q[:, c:], kv, qs, kseg, "full"))
-        return o.at[:, c:].set(o2), lse.at[:, :, c:].set(lse2)
+        return (lax.dynamic_update_slice_in_dim(o, o2, c, 1),
+                lax.dynamic_update_slice_in_dim(lse, lse2, c, 2))
     return lax.cond(src < idx, earlier, later, acc)
+
+
+def _add_window(acc, x, window, axis):
+    """acc with x added to its static `window` along `axis`, by slice and update-slice.
+    `acc.at[..., window].add(x)` would be a scatter whose full-window index is an empty
+    constant; shard_map passes it in as an s32[0] operand, and XLA's GPU compiler segfaulted
+    in its Shardy pass on that (jax 0.11.2, two H200s)."""
+    start = window.start or 0
+    if x.shape[axis] == acc.shape[axis]:
+        return acc + x
+    cur = lax.slice_in_dim(acc, start, start + x.shape[axis], axis=axis)
+    return lax.dynamic_update_slice_in_dim(acc, cur + x, start, axis)
 
 
 def _bwd_off_diagonal(cfg, q, kv, o, lse, do, seg, seg_all, dq, dkv, idx, src):
@@ -167,8 +180,8 @@ def _bwd_off_diagonal(cfg, q, kv, o, lse, do, seg, seg_all, dq, dkv, idx, src):
         ks = None if kseg is None else kseg[:, ksl]
         dq_b, dk_b, dv_b = cfg.block_bwd(q[:, qsl], kv[:, :, ksl], o[:, qsl], lse[:, :, qsl],
                                          do[:, qsl], qs, ks, "full")
-        return (acc_dq.at[:, qsl].add(dq_b),
-                acc_dkv.at[:, :, ksl].add(jnp.stack([dk_b, dv_b])))
+        return (_add_window(acc_dq, dq_b, qsl, 1),
+                _add_window(acc_dkv, jnp.stack([dk_b, dv_b]), ksl, 2))
 
     every = slice(None)
     if cfg.layout == "contiguous":
@@ -180,6 +193,15 @@ def _bwd_off_diagonal(cfg, q, kv, o, lse, do, seg, seg_all, dq, dkv, idx, src):
 
 def _gather_segments(cfg, seg):
     return None if seg is None else lax.all_gather(seg, cfg.axis)   # [n, B, S]
+
+
+def _hops(hop, carry, n):
+    """`hop` over the middle hops s = 1 .. n-2; with two shards there are none and no loop
+    is built."""
+    if n <= 2:
+        return carry
+    carry, _ = lax.scan(hop, carry, jnp.arange(1, n - 1))
+    return carry
 
 
 def _ring_forward(cfg, q, k, v, seg):
@@ -197,7 +219,7 @@ def _ring_forward(cfg, q, k, v, seg):
         src = (idx - s) % cfg.n
         return (kv_nxt, _fwd_off_diagonal(cfg, q, kv_cur, seg, seg_all, acc, idx, src)), None
 
-    (kv_last, acc), _ = lax.scan(hop, (kv_next, acc), jnp.arange(1, cfg.n - 1))
+    kv_last, acc = _hops(hop, (kv_next, acc), cfg.n)
     return _fwd_off_diagonal(cfg, q, kv_last, seg, seg_all, acc, idx, (idx - cfg.n + 1) % cfg.n)
 
 
@@ -219,7 +241,7 @@ def _ring_backward(cfg, q, k, v, seg, o, lse, do):
                                         dkv_cur, idx, src)
         return (kv_nxt, cfg.send(dkv_cur), dq), None
 
-    (kv_last, dkv_last, dq), _ = lax.scan(hop, (kv_next, dkv_next, dq), jnp.arange(1, cfg.n - 1))
+    kv_last, dkv_last, dq = _hops(hop, (kv_next, dkv_next, dq), cfg.n)
     dq, dkv_last = _bwd_off_diagonal(cfg, q, kv_last, o, lse, do, seg, seg_all, dq, dkv_last,
                                      idx, (idx - cfg.n + 1) % cfg.n)
     dkv = cfg.send(dkv_last)                               # one last hop brings it home
