@@ -190,6 +190,19 @@ def test_ring_mha_contiguous_unsegmented_single_shard(n, layout, segmented):
     ring_vs_dense(n, layout, N=2, K=2, segmented=segmented, seed=n)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_gradient_program_has_no_zero_sized_operands(n):
+    """XLA's GPU compiler (jax 0.11.2) segfaulted in its Shardy pass on the ring's gradient
+    over two GPUs: a full-window `.at[].add` made an empty index constant that shard_map
+    passed in as an s32[0] operand. The lowered program must hold no zero-sized array."""
+    mesh = make_mesh({"seq": n, "fsdp": -1})
+    q, k, v = qkv(np.random.default_rng(0), 1, 16 * n, 4, 2, 8)
+    seg = jnp.zeros((1, 16 * n), jnp.int32)
+    loss = lambda q, k, v: ring.ring_attention(q, k, v, seg, mesh=mesh).sum()  # noqa: E731
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+    assert "tensor<0x" not in text
+
+
 def test_ring_bad_length_is_a_clear_error():
     q, k, v = qkv(np.random.default_rng(0), 1, 12, 2, 2, 8)
     with pytest.raises(ValueError, match="divide by 2 x 4"):
@@ -235,8 +248,29 @@ def fake_cudnn(monkeypatch):
         idx = (rows, cols) if causal else (None, None)
         return flash._as_masks(B, T, S, q_seg, kv_seg, *idx), rows, cols
 
-    def fwd(q, k, v, *, causal, scale, q_len=None, kv_len=None):
+    def packed(offsets_BM, lengths_BM, T):
+        """[B, M, T, T'] one-hot: run m's position t is row token t'; and each run's stats
+        slot: cuDNN numbers the runs of all rows one after another (as an H200 showed)."""
+        B, M = lengths_BM.shape
+        t = jnp.arange(T)
+        src = offsets_BM[:, :M, None] + t                             # [B, M, T]
+        ok = t[None, None] < lengths_BM[:, :, None]
+        count_B = (lengths_BM > 0).sum(1)
+        slot_BM = jnp.cumsum(count_B)[:, None] - count_B[:, None] + jnp.arange(M)
+        slot_BM = jnp.where(jnp.arange(M) < count_B[:, None], slot_BM, B * M)  # unused: dropped
+        return ((src[..., None] == t) & ok[..., None]).astype(jnp.float32), slot_BM
+
+    def fwd(q, k, v, *, causal, scale, q_len=None, kv_len=None, q_off=None, kv_off=None):
         calls.append(("fwd", causal, q_len is not None))
+        if q_off is not None:  # packed runs: ids from the offsets, stats per run
+            B, T = q.shape[:2]
+            onehot, slot_BM = packed(q_off, q_len, T)
+            seg = jnp.einsum("bmts,m->bs", onehot, jnp.arange(q_len.shape[1]) + 1.0)
+            m = flash._as_masks(B, T, T, seg, seg, jnp.arange(T), jnp.arange(T))
+            o, lse = flash._flash_fwd(q, k, v, m, scale, 8, 8)
+            stats_BMNT = jnp.einsum("bmts,bns->bmnt", onehot, lse)
+            stats = jnp.full((slot_BM.size, *stats_BMNT.shape[2:]), 3.0)   # junk where unused
+            return o.astype(q.dtype), stats.at[slot_BM].set(stats_BMNT, mode="drop")
         m, rows, _ = masks(q, k, causal, q_len, kv_len)
         o, lse = flash._flash_fwd(q, k, v, m, scale, 8, 8)
         if q_len is not None:
@@ -244,8 +278,17 @@ def fake_cudnn(monkeypatch):
             o, lse = jnp.where(ok[:, :, None, None], o, 123.0), jnp.where(ok[:, None], lse, 7.0)
         return o.astype(q.dtype), lse
 
-    def bwd(q, k, v, o, lse, do, *, causal, scale, q_len=None, kv_len=None):
+    def bwd(q, k, v, o, lse, do, *, causal, scale, q_len=None, kv_len=None, q_off=None,
+            kv_off=None):
         calls.append(("bwd", causal, q_len is not None))
+        if q_off is not None:
+            B, T = q.shape[:2]
+            onehot, slot_BM = packed(q_off, q_len, T)
+            seg = jnp.einsum("bmts,m->bs", onehot, jnp.arange(q_len.shape[1]) + 1.0)
+            m = flash._as_masks(B, T, T, seg, seg, jnp.arange(T), jnp.arange(T))
+            lse_BMNT = lse.at[slot_BM].get(mode="fill", fill_value=0.0)
+            lse = jnp.einsum("bmts,bmnt->bns", onehot, lse_BMNT)
+            return flash._flash_bwd(q, k, v, o, lse, do, m, scale, 8, 8)
         m, rows, cols = masks(q, k, causal, q_len, kv_len)
         dq, dk, dv = flash._flash_bwd(q, k, v, o, lse, do, m, scale, 8, 8)
         if q_len is not None:
@@ -262,10 +305,12 @@ def fake_cudnn(monkeypatch):
 
 def test_ring_cudnn_plumbing_with_emulated_kernel(monkeypatch):
     """Segmented off-diagonal blocks go to cuDNN as a rectangle (rotated keys, padding
-    lengths); diagonal segmented blocks stay on XLA. Emulated here, exact in fp32."""
+    lengths); segmented diagonal blocks as cuDNN's packed layout, whose per-run log-sum-exp
+    the ring converts to and from per-token. Emulated here, exact in fp32."""
     calls = fake_cudnn(monkeypatch)
     ring_vs_dense(4, "zigzag", N=4, K=2, implementation="cudnn", seed=7)
-    assert {("fwd", False, True), ("bwd", False, True)} == set(calls)
+    assert {("fwd", False, True), ("bwd", False, True), ("fwd", True, True),
+            ("bwd", True, True)} == set(calls)
 
 
 @pytest.mark.parametrize("kind", ["ring_block", "dense", "dense_packed"])
@@ -345,7 +390,8 @@ def test_gpu_cudnn_blocks_ring_and_dense_match_xla():
     c = T // 2  # a "full" block with segments: queries = second half, keys = first half
     args = (q[:, c:], k[:, :c], v[:, :c])
     kw = dict(mask_kind="full", q_segment_ids=seg[:, c:], kv_segment_ids=seg[:, :c])
-    for kind_kw in (dict(mask_kind="causal"), kw):
+    causal_packed = dict(mask_kind="causal", q_segment_ids=seg, kv_segment_ids=seg)
+    for kind_kw in (dict(mask_kind="causal"), causal_packed, kw):
         a3 = args if kind_kw is kw else (q, k, v)
         o_c, l_c = flash.block_attention(*a3, implementation="cudnn", **kind_kw)
         o_x, l_x = flash.block_attention(*up(*a3), implementation="xla", **kind_kw)
@@ -362,7 +408,13 @@ def test_gpu_cudnn_blocks_ring_and_dense_match_xla():
             close(gc, gx, 5e-2)
 
     mesh = make_mesh({"seq": 1}, devices=jax.devices()[:1])
+    # every GPU here: a ring of n > 1 has packed diagonal blocks and full off-diagonal ones
+    mesh_n = make_mesh({"seq": -1})
+    perm = ring.zigzag_permutation(T, mesh_n.shape["seq"])
     for fn in (lambda q, k, v, impl: ring.ring_attention(q, k, v, None, mesh=mesh,
+                                                         implementation=impl),
+               lambda q, k, v, impl: ring.ring_attention(q[:, perm], k[:, perm], v[:, perm],
+                                                         seg[:, perm], mesh=mesh_n,
                                                          implementation=impl),
                lambda q, k, v, impl: flash.dense_attention(q, k, v, seg, implementation=impl)):
         o_c, vjp_c = jax.vjp(lambda q, k, v: fn(q, k, v, "cudnn"), q, k, v)
