@@ -39,7 +39,7 @@ def tiny(**kw):
 
 
 def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: int,
-        packed: bool) -> dict:
+        packed: bool, seq: int = 1) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -49,7 +49,9 @@ def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
     dtype = jnp.float32 if smoke else jnp.bfloat16
     make = tiny if smoke else qwen25_15b
     cfg = make(dtype=dtype, param_dtype=jnp.float32, remat=remat, attention=attention)
-    mesh = mesh_lib.make_mesh({"fsdp": -1}, devices=jax.devices()[:1])
+    # seq > 1: the row's tokens split over `seq` devices (ring or ulysses attention)
+    mesh = mesh_lib.make_mesh({"seq": seq} if seq > 1 else {"fsdp": -1},
+                              devices=jax.devices()[:seq])
     tx = optim.make_optimizer(lr=1e-6, warmup_steps=1, total_steps=100)
     state = update.make_init_fn(cfg, tx, mesh)(jax.random.key(0))
     fn = update.make_update_fn(cfg, losses.LossConfig(), tx, mesh, chunk=chunk, packed=packed)
@@ -82,8 +84,8 @@ def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
     flops = (6 * n_params + 6 * cfg.n_layers * L * cfg.d_model) * L
     stats = jax.devices()[0].memory_stats() or {}
     return {"lrl": True, "seq": L, "remat": remat, "attention": attention, "packed": packed,
-            "step_s": dt,
-            "tokens_per_s": L / dt, "tflops": flops / dt / 1e12, "compile_s": compile_s,
+            "devices": seq, "step_s": dt,
+            "tokens_per_s": L / dt, "tflops": flops / dt / 1e12 / seq, "compile_s": compile_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
             "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
 
@@ -101,6 +103,8 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--packed", action="store_true",
                     help="attend through the packed-row (segment ids) path, as RL batches do")
+    ap.add_argument("--seq", type=int, default=1,
+                    help="devices the row is split over (with --attention ring or ulysses)")
     ap.add_argument("--child", default="")
     ap.add_argument("--out", default="")
     ap.add_argument("--budget-s", type=float, default=0, help="skip what would start later")
@@ -108,7 +112,7 @@ def main():
     if a.child:
         L, remat = a.child.split(":")
         try:
-            rec = one(int(L), remat, a.smoke, a.repeats, a.attention, a.chunk, a.packed)
+            rec = one(int(L), remat, a.smoke, a.repeats, a.attention, a.chunk, a.packed, a.seq)
         except Exception as e:  # out of memory, mostly: record it and go on
             rec = {"lrl": True, "seq": int(L), "remat": remat, "error": f"{type(e).__name__}: "
                    f"{str(e).splitlines()[0][:200]}"}
@@ -127,7 +131,8 @@ def main():
                 results.append({"seq": L, "remat": remat, "error": "skipped (time budget)"})
                 continue
             cmd = [sys.executable, __file__, "--child", f"{L}:{remat}", "--repeats",
-                   str(a.repeats), "--attention", a.attention, "--chunk", str(a.chunk)]
+                   str(a.repeats), "--attention", a.attention, "--chunk", str(a.chunk),
+                   "--seq", str(a.seq)]
             cmd += ["--packed"] if a.packed else []
             cmd += ["--smoke"] if a.smoke else []
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
