@@ -48,6 +48,9 @@ def check_config(config) -> None:
     if config.sft.steps and config.data.source != "synthetic" and not config.sft.paths:
         raise ValueError("sft.steps > 0 needs prompt/response records in sft.paths unless "
                          "data.source='synthetic' (or set sft.steps=0)")
+    if config.rl.logprob_chunk < 1:
+        raise ValueError(f"rl.logprob_chunk={config.rl.logprob_chunk}: the positions per step "
+                         "of the chunked log-prob scan must be at least 1")
     if config.job == "grpo" and config.rl.group_size < 2:
         raise ValueError(f"rl.group_size={config.rl.group_size}: GRPO needs at least 2 "
                          "samples per prompt")

@@ -179,11 +179,13 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> 
     use_sampler_logp = plain and not rl_cfg.recompute_old_logp
     needs_old = rl_cfg.epochs * rl_cfg.minibatches > 1 or use_sampler_logp
     update_fn = update_lib.make_update_fn(r.model_cfg, loss_cfg, tx, r.mesh,
-                                          num_micro=rl_cfg.micro_batches)
+                                          num_micro=rl_cfg.micro_batches,
+                                          chunk=rl_cfg.logprob_chunk)
     logp_fn = None
     if (needs_old and not use_sampler_logp) or loss_cfg.kl_coef:
         logp_fn = update_lib.make_logprobs_fn(r.model_cfg, r.mesh,
-                                              num_micro=rl_cfg.micro_batches)
+                                              num_micro=rl_cfg.micro_batches,
+                                              chunk=rl_cfg.logprob_chunk)
     ref_params = None
     if loss_cfg.kl_coef:  # the frozen reference: the policy as this phase starts
         ref_params = jax.tree.map(lambda x: x.copy(), state.params)

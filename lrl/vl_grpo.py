@@ -62,6 +62,8 @@ def check_config(config) -> None:
             raise ValueError(f"{key}={value!r}; choose one of {valid}")
     if rl_cfg.group_size < 2:
         raise ValueError(f"rl.group_size={rl_cfg.group_size}: GRPO needs at least 2 samples")
+    if rl_cfg.logprob_chunk < 1:
+        raise ValueError(f"rl.logprob_chunk={rl_cfg.logprob_chunk} must be >= 1")
     if config.eval.every and config.eval.k < 1:
         raise ValueError(f"eval.k={config.eval.k} must be >= 1")
     if v.source == "jsonl" and not config.data.paths:
@@ -127,12 +129,13 @@ def _check_token_ids(vl_cfg, tokenizer, where: str) -> None:
 
 # ----------------------------------------------------------------------------- compiled steps
 
-def make_vl_update_fn(text_cfg, loss_cfg, tx, mesh=None, *, num_micro: int = 1):
+def make_vl_update_fn(text_cfg, loss_cfg, tx, mesh=None, *, num_micro: int = 1,
+                      chunk: int = 1024):
     """fn(state, batch, visual_table) -> (state, metrics): `update_step` jitted once, the state
     donated and kept in its sharding; the batch comes placed by `put_batch`, the table
     replicated (`put_table`)."""
     step = functools.partial(update_lib.update_step, model_cfg=text_cfg, loss_cfg=loss_cfg,
-                             tx=tx, mesh=mesh, num_micro=num_micro)
+                             tx=tx, mesh=mesh, num_micro=num_micro, chunk=chunk)
     if mesh is None:
         return jax.jit(step, donate_argnums=(0,))
     state_sh = update_lib.train_state_shardings(text_cfg, tx, mesh)
@@ -140,10 +143,10 @@ def make_vl_update_fn(text_cfg, loss_cfg, tx, mesh=None, *, num_micro: int = 1):
                    donate_argnums=(0,))
 
 
-def make_vl_logprobs_fn(text_cfg, mesh=None, *, num_micro: int = 1):
+def make_vl_logprobs_fn(text_cfg, mesh=None, *, num_micro: int = 1, chunk: int = 1024):
     """fn(params, batch, visual_table) -> logp_BT: old or reference log-probs."""
     fn = functools.partial(update_lib.logprobs, model_cfg=text_cfg, mesh=mesh,
-                           num_micro=num_micro)
+                           num_micro=num_micro, chunk=chunk)
     if mesh is None:
         return jax.jit(fn)
     return jax.jit(fn, out_shardings=mesh_lib.batch_sharding(mesh, 2))
@@ -332,8 +335,10 @@ def run(config, workdir: str) -> dict:
                 prefill_fn=(sp_prefill.make_prefill(mesh, config.rollout.sp_min_tokens)
                             if sp else None),
                 update_fn=make_vl_update_fn(text_cfg, loss_cfg, tx, mesh,
-                                            num_micro=rl_cfg.micro_batches),
-                logp_fn=(make_vl_logprobs_fn(text_cfg, mesh, num_micro=rl_cfg.micro_batches)
+                                            num_micro=rl_cfg.micro_batches,
+                                            chunk=rl_cfg.logprob_chunk),
+                logp_fn=(make_vl_logprobs_fn(text_cfg, mesh, num_micro=rl_cfg.micro_batches,
+                                             chunk=rl_cfg.logprob_chunk)
                          if needs_old or loss_cfg.kl_coef else None),
                 needs_old=needs_old, sampler_logp=plain)
         del params

@@ -34,3 +34,26 @@ def test_config_builds_and_documents_its_command(path):
         experiment.check_config(c)
     with pytest.raises(ValueError):
         mod.get_config("no-such-variant")
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("rl.logprob_chunk", 0, "rl.logprob_chunk=0"),
+    ("rl.group_size", 1, "rl.group_size=1"),
+    ("rl.overlong", "clip", "rl.overlong='clip'"),
+    ("model.dtype", "fp8", "model.dtype='fp8'"),
+])
+def test_bad_values_fail_up_front_naming_the_key(key, value, match):
+    c = _load(os.path.join(ROOT, "configs", "default.py")).get_config()
+    section, name = key.split(".")
+    c[section][name] = value
+    with pytest.raises(ValueError, match=match):
+        experiment.check_config(c)
+
+
+def test_video_configs_pass_their_checks_and_name_bad_values():
+    from lrl import vl_grpo
+    c = _load(os.path.join(ROOT, "configs", "video_synthetic.py")).get_config()
+    vl_grpo.check_config(c)
+    c.rl.logprob_chunk = -1
+    with pytest.raises(ValueError, match="rl.logprob_chunk=-1"):
+        vl_grpo.check_config(c)
