@@ -42,18 +42,19 @@ The loop's side:
 """
 from __future__ import annotations
 
-import base64
 import dataclasses
 import logging
 import time
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from lrl import checkpoint_items as ci
+from lrl.checkpoint_items import (  # noqa: F401  (the public names, re-exported)
+    CheckpointError, StateMismatchError, abstract_state, checksums, model_config_from_dict,
+    model_config_to_dict)
 from lrl.models.config import ModelConfig
 from lrl.preemption import PreemptionGuard, agree_any  # noqa: F401  (PreemptionGuard re-exported)
 
@@ -62,20 +63,10 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 QUARANTINE = "quarantine"
 _TMP_MARK = ".orbax-checkpoint-tmp"
-_BYTES = "__lrl_bytes_b64__"
 
 
 def _read_only():
     return ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
-
-
-class CheckpointError(RuntimeError):
-    """No usable checkpoint, or a checkpoint that does not match what is asked of it."""
-
-
-class StateMismatchError(CheckpointError):
-    """The state asked for has another structure or shapes than the one saved: a caller
-    error (wrong model or optimizer config), not a damaged checkpoint."""
 
 
 @dataclasses.dataclass
@@ -89,159 +80,6 @@ class Restored:
     skipped: list = dataclasses.field(default_factory=list)  # [(step, path, reason)] newer, bad
 
 
-# ----------------------------------------------------------------------------- JSON items
-
-def model_config_to_dict(cfg: ModelConfig) -> dict:
-    """ModelConfig -> JSON: dtypes by name, tuples as lists, nested dataclasses as dicts."""
-    def plain(v):
-        if isinstance(v, (type, np.dtype)):
-            return jnp.dtype(v).name
-        if dataclasses.is_dataclass(v):
-            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
-        return [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
-    return plain(cfg)
-
-
-def model_config_from_dict(d: dict) -> ModelConfig:
-    """The inverse of `model_config_to_dict`, typed by each field's default."""
-    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(d) - set(fields))
-    if unknown:
-        raise CheckpointError(f"model_config has fields {unknown} that this lrl's ModelConfig "
-                              "does not know (saved by a newer lrl?)")
-    out = {}
-    for k, v in d.items():
-        default = fields[k].default
-        if isinstance(default, (type, np.dtype)) and isinstance(v, str):
-            v = getattr(jnp, v)
-        elif dataclasses.is_dataclass(default) and isinstance(v, dict):
-            v = type(default)(**v)
-        elif isinstance(v, list):
-            v = tuple(v)
-        out[k] = v
-    return ModelConfig(**out)
-
-
-def _jsonable(x):
-    """Experiment configs (ConfigDict or dict) -> plain JSON; non-JSON values become strings."""
-    if hasattr(x, "to_dict"):
-        x = x.to_dict()
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (np.generic, np.ndarray)):
-        return x.tolist()
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    return str(x)
-
-
-def _encode_data(x, where="data_state"):
-    """JSON for the data-iterator state; bytes (grain's DataLoader states) anywhere inside
-    are kept as base64 and come back as bytes."""
-    if isinstance(x, bytes):
-        return {_BYTES: base64.b64encode(x).decode("ascii")}
-    if isinstance(x, dict):
-        return {str(k): _encode_data(v, f"{where}[{k!r}]") for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_encode_data(v, f"{where}[{i}]") for i, v in enumerate(x)]
-    if isinstance(x, np.generic):
-        return x.item()
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    raise TypeError(f"{where} is a {type(x).__name__}: the data state must be JSON "
-                    "(dicts, lists, numbers, strings) or bytes")
-
-
-def _decode_data(x):
-    if isinstance(x, dict):
-        if set(x) == {_BYTES}:
-            return base64.b64decode(x[_BYTES])
-        return {k: _decode_data(v) for k, v in x.items()}
-    return [_decode_data(v) for v in x] if isinstance(x, list) else x
-
-
-# ----------------------------------------------------------------------------- state trees
-
-def _path_str(path) -> str:
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
-
-def _is_key(x) -> bool:
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _unwrap_keys(state):
-    """Typed PRNG keys -> raw key data, and {leaf path: impl name} to wrap them back."""
-    impls = {}
-
-    def one(path, x):
-        if _is_key(x):
-            impls[_path_str(path)] = str(jax.random.key_impl(x))
-            return jax.random.key_data(x)
-        return x
-    return jax.tree_util.tree_map_with_path(one, state), impls
-
-
-def _bits_u32(x):
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-    return jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
-
-
-def _leaf_checksum(x):
-    """Two uint32 sums of the raw bits, plain and position-weighted: modular integer sums do
-    not depend on the order of reduction, so any sharding of the same values agrees."""
-    bits = _bits_u32(x)
-    idx = jnp.zeros(bits.shape, jnp.uint32)
-    for d in range(bits.ndim):
-        idx = idx * jnp.uint32(bits.shape[d]) + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d)
-    weights = idx * jnp.uint32(2654435761) + jnp.uint32(1)
-    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weights, dtype=jnp.uint32)])
-
-
-_tree_checksums = jax.jit(lambda leaves: [_leaf_checksum(x) for x in leaves])
-
-
-def checksums(tree) -> dict[str, list[int]]:
-    """{leaf path: [sum, weighted sum]} of a tree of arrays (keys as raw key data)."""
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    sums = jax.device_get(_tree_checksums([jnp.asarray(x) for _, x in flat]))
-    return {_path_str(p): [int(v) for v in np.asarray(c)] for (p, _), c in zip(flat, sums)}
-
-
-def abstract_state(state, shardings=None):
-    """ShapeDtypeStructs with target shardings for `state` (arrays or ShapeDtypeStructs).
-
-    `shardings`: None (use each leaf's own `.sharding`), one `Sharding` for every leaf, or a
-    tree of shardings matching `state`.
-    """
-    if shardings is None:
-        shard_tree = jax.tree.map(lambda x: getattr(x, "sharding", None), state)
-    elif isinstance(shardings, jax.sharding.Sharding):
-        shard_tree = jax.tree.map(lambda _: shardings, state)
-    else:
-        shard_tree = shardings
-
-    def one(path, x, s):
-        if s is None:
-            raise ValueError(f"state leaf {_path_str(path)!r} has no target sharding; pass "
-                             "`shardings` or ShapeDtypeStructs with sharding=")
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-    return jax.tree_util.tree_map_with_path(one, state, shard_tree,
-                                            is_leaf=lambda x: x is None)
-
-
 def _saved_tree(step_dir: epath.Path):
     """The stored state's tree of array metadata (custom classes come back as dicts)."""
     saved = ocp.PyTreeCheckpointHandler().metadata(step_dir / "state")
@@ -251,8 +89,8 @@ def _saved_tree(step_dir: epath.Path):
 def _check_against_saved(abstract, step_dir: epath.Path):
     """Caller errors (a state of another shape or structure) are not corruption: raise."""
     saved = _saved_tree(step_dir)
-    have = {_path_str(p): m for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
-    want = {_path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    have = {ci.path_str(p): m for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    want = {ci.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
     missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     if missing or extra:
         raise StateMismatchError(f"state structure differs from the checkpoint in {step_dir}: "
@@ -273,8 +111,8 @@ def _restore_step(mgr, step: int, step_dir: epath.Path, abstract, partial=False)
     impls = {}
 
     def raw(path, x):
-        if _is_key(x):
-            impls[_path_str(path)] = x.dtype
+        if ci.is_key(x):
+            impls[ci.path_str(path)] = x.dtype
             data = jax.eval_shape(jax.random.key_data, x)
             return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=x.sharding)
         return x
@@ -289,7 +127,7 @@ def _restore_step(mgr, step: int, step_dir: epath.Path, abstract, partial=False)
             items[name] = ocp.args.JsonRestore()
     got = mgr.restore(step, args=ocp.args.Composite(**items))
     saved_sums = meta.get("checksums", {})
-    for key, sums in checksums(got["state"]).items():
+    for key, sums in ci.checksums(got["state"]).items():
         if key not in saved_sums:
             raise CheckpointError(f"step {step} stores no checksum for leaf {key!r}")
         if saved_sums[key] != sums:
@@ -297,7 +135,7 @@ def _restore_step(mgr, step: int, step_dir: epath.Path, abstract, partial=False)
                                   "(garbled data)")
 
     def wrap(path, x):
-        key = _path_str(path)
+        key = ci.path_str(path)
         if key not in impls:
             return x
         impl = meta.get("prng_impls", {}).get(key)
@@ -308,9 +146,9 @@ def _restore_step(mgr, step: int, step_dir: epath.Path, abstract, partial=False)
     state = jax.tree_util.tree_map_with_path(wrap, got["state"])
     mc = got.get("model_config") if "model_config" in items else None
     return Restored(step=step, state=state,
-                    data_state=_decode_data(got["data"]) if "data" in items else None,
+                    data_state=ci.decode_data(got["data"]) if "data" in items else None,
                     config=got["config"] if "config" in items else None,
-                    model_config=model_config_from_dict(mc) if mc is not None else None,
+                    model_config=ci.model_config_from_dict(mc) if mc is not None else None,
                     path=str(step_dir))
 
 
@@ -362,7 +200,7 @@ def restore_latest(directory, abstract, shardings=None, step=None) -> Optional[R
     root = epath.Path(directory)
     if not root.exists():
         return None
-    target = abstract_state(abstract, shardings)
+    target = ci.abstract_state(abstract, shardings)
     with ocp.CheckpointManager(root, options=_read_only()) as m:
         return _restore_newest_good(m, root, target, step)
 
@@ -457,17 +295,17 @@ class CheckpointManager:
         if step == self._last_step or step in self._mgr.all_steps():
             log.info("checkpoint: step %d is already saved", step)
             return False
-        raw, impls = _unwrap_keys(state)
+        raw, impls = ci.unwrap_keys(state)
         items = {"state": ocp.args.PyTreeSave(raw),
                  "meta": ocp.args.JsonSave({"format": FORMAT, "step": int(step),
                                             "time": time.time(), "prng_impls": impls,
-                                            "checksums": checksums(raw)})}
+                                            "checksums": ci.checksums(raw)})}
         if data_state is not None:
-            items["data"] = ocp.args.JsonSave(_encode_data(data_state))
+            items["data"] = ocp.args.JsonSave(ci.encode_data(data_state))
         if config is not None:
-            items["config"] = ocp.args.JsonSave(_jsonable(config))
+            items["config"] = ocp.args.JsonSave(ci.jsonable(config))
         if model_config is not None:
-            items["model_config"] = ocp.args.JsonSave(model_config_to_dict(model_config))
+            items["model_config"] = ocp.args.JsonSave(ci.model_config_to_dict(model_config))
         self._mgr.save(int(step), args=ocp.args.Composite(**items), force=True)
         self._last_step, self._last_time = int(step), time.monotonic()
         return True
@@ -491,7 +329,7 @@ class CheckpointManager:
     def restore(self, abstract, shardings=None, step=None) -> Optional[Restored]:
         """Like `restore_latest`; unreadable newer steps are moved to DIR/quarantine/ so that
         the resumed run's saves and keep-last-N never touch them."""
-        target = abstract_state(abstract, shardings)
+        target = ci.abstract_state(abstract, shardings)
         got = _restore_newest_good(self._mgr, self.directory, target, step)
         if got is not None and got.skipped:
             if jax.process_index() == 0:
