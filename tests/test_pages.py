@@ -85,6 +85,9 @@ def test_paged_attention_matches_dense():
     got = pa.decode_attention(q, kp, vp, table, kv_len, P, impl="pallas_interpret",
                               pages_per_block=2, k_splits=2)
     np.testing.assert_allclose(got, want, atol=1e-5)
+    got = pa.decode_attention(q, kp, vp, table, kv_len, P, impl="pallas_interpret",
+                              pages_per_block=2, k_splits=1, warps=4, stages=3)
+    np.testing.assert_allclose(got, want, atol=1e-5)
     # Several queries per row (a prefill chunk at positions 6..11 over 12 keys), layer 0.
     q = jnp.asarray(rng.randn(2, 6, 4, 16), jnp.float32)
     q_pos = np.stack([np.arange(6, 12)] * 2).astype(np.int32)
@@ -143,3 +146,11 @@ def test_sampling_filters_and_logps(top_k, top_p):
     np.testing.assert_allclose(logp, jax.nn.log_softmax(logits)[np.arange(4), tok], atol=1e-6)
     with pytest.raises(ValueError, match="top_p"):
         sampling.SamplingParams(temperature=1.0, top_p=0.0)
+
+
+@pytest.mark.parametrize("kw", [dict(pallas_warps=3), dict(pallas_warps=0),
+                                dict(pallas_stages=0)])
+def test_engine_config_rejects_bad_pallas_launch_settings(kw):
+    from lrl.rollout.steps import EngineConfig
+    with pytest.raises(ValueError, match="pallas_warps must be a power of two"):
+        EngineConfig(**kw)

@@ -86,7 +86,8 @@ def bench_case(cfg, params, spec, a, wbytes):
                   pool_tokens=P * (T + N + 2 * a.page_size), prefill_chunk=a.prefill_chunk,
                   steps_per_call=a.steps_per_call, layer_unroll=a.layer_unroll,
                   attention_impl=a.attention, decode_block_pages=a.decode_block_pages,
-                  pallas_k_splits=a.k_splits)
+                  pallas_k_splits=a.k_splits, pallas_warps=a.pallas_warps,
+                  pallas_stages=a.pallas_stages)
     warm = {}
     t_compile = timed_generate(cfg, params, prompts[:min(P, 8)], 1, N, common, warm)
     stats = {}
@@ -113,7 +114,8 @@ def bench_shared(cfg, params, spec, a):
                   prefill_chunk=a.prefill_chunk, steps_per_call=a.steps_per_call,
                   layer_unroll=a.layer_unroll, attention_impl=a.attention,
                   decode_block_pages=a.decode_block_pages,
-                  pallas_k_splits=a.k_splits)
+                  pallas_k_splits=a.k_splits, pallas_warps=a.pallas_warps,
+                  pallas_stages=a.pallas_stages)
     timed_generate(cfg, params, prompts[:1], G, N, common, {})        # compile
     stats = {}
     total = timed_generate(cfg, params, prompts, G, N, common, stats)
@@ -152,6 +154,8 @@ def main():
                     help="pages per compute block of the decode attention kernel")
     ap.add_argument("--k-splits", type=int, default=None,
                     help="kv splits of the Pallas decode kernel (default: from the slots)")
+    ap.add_argument("--pallas-warps", type=int, default=8, help="Triton num_warps")
+    ap.add_argument("--pallas-stages", type=int, default=2, help="Triton num_stages")
     ap.add_argument("--attention", default=None, help="decode attention: pallas | xla")
     a = ap.parse_args()
     cases = (a.cases if a.cases is not None else

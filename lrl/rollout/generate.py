@@ -76,8 +76,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
              pool_fraction: Optional[float] = None, prefill_chunk: int = 4096,
              steps_per_call: int = 16, attention_impl: Optional[str] = None,
              decode_block_pages: int = 8, prefill_block_pages: Optional[int] = None,
-             pallas_k_splits: Optional[int] = None,
-             layer_unroll: int = 1, mesh=None, stats: Optional[dict] = None,
+             pallas_k_splits: Optional[int] = None, pallas_warps: int = 8,
+             pallas_stages: int = 2, layer_unroll: int = 1, mesh=None, stats: Optional[dict] = None,
              prompt_embeds: Optional[Sequence] = None,
              prompt_positions: Optional[Sequence] = None,
              prefill_fn: Optional[Callable] = None):
@@ -88,7 +88,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     with timings and counts (prefill_s, decode_s, decode_steps, new_tokens, kv_token_steps,
     peak_pages, pages_allocated, pages_unshared, ...) and blocks on the prefill to time it.
     `pallas_k_splits` (None: from the slot count) splits each row's pages over that many
-    programs of the GPU attention kernel, so a few long rows still fill the GPU.
+    programs of the GPU attention kernel, so a few long rows still fill the GPU;
+    `pallas_warps` / `pallas_stages` are that kernel's Triton num_warps and num_stages.
     `prefill_fn(engine, params, state, prefixes) -> state` replaces `engine.run_prefill`, e.g.
     `lrl.rollout.sp_prefill.make_prefill(mesh)` for long prompts prefilled over `seq`.
     """
@@ -120,7 +121,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         sampling=SamplingParams(float(temperature), int(top_k), float(top_p)),
         attention_impl=attention_impl, decode_block_pages=decode_block_pages,
         prefill_block_pages=prefill_block_pages, layer_unroll=layer_unroll,
-        pallas_k_splits=pallas_k_splits or _k_splits(S, cfg.n_kv_heads))
+        pallas_k_splits=pallas_k_splits or _k_splits(S, cfg.n_kv_heads),
+        pallas_warps=pallas_warps, pallas_stages=pallas_stages)
     engine = Engine(cfg, ecfg, mesh)
     for i, p in enumerate(prompts):
         engine.check_fits(len(p), max_new_tokens, what=f"prompt {i}")

@@ -101,9 +101,11 @@ def paged_attention_xla(q_BTNH, q_pos_BT, k_pages, v_pages, table_BM, kv_len_B, 
 
 
 def paged_attention_pallas(q_BNH, k_pages, v_pages, table_BM, kv_len_B, layer_base, *,
-                           pages_per_block: int, k_splits: int, interpret: bool = False):
+                           pages_per_block: int, k_splits: int, warps: int = 8,
+                           stages: int = 2, interpret: bool = False):
     """One query per row through jax's Pallas GPU kernel. The kernel does not scale the
-    scores, so q is scaled here; `interpret=True` runs it on CPU (for tests)."""
+    scores, so q is scaled here; `interpret=True` runs it on CPU (for tests). `warps` and
+    `stages` are Triton's num_warps and num_stages (jax's defaults: 8 and 2)."""
     module = _pallas_module()
     if module is None:
         raise RuntimeError("jax.experimental.pallas.ops.gpu.paged_attention cannot be imported "
@@ -116,17 +118,18 @@ def paged_attention_pallas(q_BNH, k_pages, v_pages, table_BM, kv_len_B, layer_ba
     q = (q_BNH.astype(jnp.float32) * (1.0 / H ** 0.5)).astype(k_pages.dtype)
     out = module.paged_attention(q, k_pages, v_pages, table_BM + layer_base,
                                  kv_len_B.astype(jnp.int32), pages_per_compute_block=pages_per_block,
-                                 k_splits=k_splits, interpret=interpret)
+                                 k_splits=k_splits, num_warps=warps, num_stages=stages,
+                                 interpret=interpret)
     return out.astype(q_BNH.dtype)
 
 
 def decode_attention(q_BTNH, k_pages, v_pages, table_BM, kv_len_B, layer_base, *, impl: str,
-                     pages_per_block: int, k_splits: int = 1):
+                     pages_per_block: int, k_splits: int = 1, warps: int = 8, stages: int = 2):
     """One new token per row (T == 1) attending to its row's first `kv_len_B` tokens."""
     if impl == "pallas":
         return paged_attention_pallas(q_BTNH[:, 0], k_pages, v_pages, table_BM, kv_len_B,
                                       layer_base, pages_per_block=pages_per_block,
-                                      k_splits=k_splits)[:, None]
+                                      k_splits=k_splits, warps=warps, stages=stages)[:, None]
     if impl == "pallas_interpret":
         return paged_attention_pallas(q_BTNH[:, 0], k_pages, v_pages, table_BM, kv_len_B,
                                       layer_base, pages_per_block=pages_per_block,

@@ -38,6 +38,8 @@ class EngineConfig:
     decode_block_pages: int = 8      # pages per compute block of decode attention
     prefill_block_pages: int = 64    # pages per block when a prefill chunk reads the pages
     pallas_k_splits: int = 4         # splits of the kv axis in the Pallas kernel
+    pallas_warps: int = 8            # Triton warps per program of the Pallas kernel
+    pallas_stages: int = 2           # Triton software-pipelining stages of its page loop
     layer_unroll: int = 1            # unroll of the layer scan (fewer loop trips per step)
 
     def __post_init__(self):
@@ -51,6 +53,10 @@ class EngineConfig:
         if self.page_size < 1 or self.max_slots < 1 or self.max_pages_per_slot < 1:
             raise ValueError(f"page_size, max_slots and max_pages_per_slot must be positive: "
                              f"{self.page_size}, {self.max_slots}, {self.max_pages_per_slot}")
+        if self.pallas_warps < 1 or self.pallas_warps & (self.pallas_warps - 1) \
+                or self.pallas_stages < 1:
+            raise ValueError(f"pallas_warps must be a power of two and pallas_stages >= 1: "
+                             f"{self.pallas_warps}, {self.pallas_stages}")
         if self.attention_impl not in (None, *pa.IMPLS, "pallas_interpret"):
             raise ValueError(f"attention_impl={self.attention_impl!r}; choose None or {pa.IMPLS}")
 
@@ -172,7 +178,8 @@ def _decode_step(cfg, ecfg, params, state: DecodeState, rng):
     def attend(q, k, v, kp, vp, base):
         return pa.decode_attention(q, kp, vp, state.page_table, kv_len_B, base,
                                    impl=ecfg.attention_impl, pages_per_block=ecfg.decode_block_pages,
-                                   k_splits=ecfg.pallas_k_splits)
+                                   k_splits=ecfg.pallas_k_splits, warps=ecfg.pallas_warps,
+                                   stages=ecfg.pallas_stages)
 
     rope_B1 = pos_B1 + state.rope_delta[:, None]   # text tokens: one position for t, h, w
     x, kp, vp = run_layers(cfg, params, _embed(cfg, params, state.tokens[:, None]), rope_B1,
