@@ -98,6 +98,25 @@ def test_sharded_step_equals_single_device():
         np.testing.assert_allclose(gm[k], wm[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.parametrize("mesh_axes,num_micro", [(None, 1), ({"fsdp": 2, "seq": 4}, 2)])
+def test_fused_head_step_equals_the_unfused_step(mesh_axes, num_micro):
+    """The loss's gradient formed in the lm head's forward pass (lrl.rl.fused_head) gives the
+    same step and metrics as the chunked log-probs differentiated by jax, sharded too."""
+    tx = optax.sgd(1.0)
+    want, wm = _reference()
+    state, batch = _state(_params(), tx), _batch()
+    mesh = None
+    if mesh_axes:
+        mesh = mesh_lib.make_mesh(mesh_axes)
+        state = jax.device_put(state, upd.train_state_shardings(CFG, tx, mesh))
+        batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh, 2))
+    got, gm = upd.make_update_fn(CFG, LOSS, tx, mesh, num_micro=num_micro, chunk=4,
+                                 fused_head=True)(state, batch)
+    _assert_trees_close(got.params, want.params, rtol=1e-4, atol=1e-6)
+    for k in wm:
+        np.testing.assert_allclose(gm[k], wm[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
 def test_lr_schedule_and_decay_mask():
     s = optim.lr_schedule(1.0, warmup_steps=4, total_steps=12, end_lr_ratio=0.1)
     # Warm-up (k+1)/4; then 0.1 + 0.9·½(1 + cos(π·(k-4)/8)); constant 0.1 after step 12.

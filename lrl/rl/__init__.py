@@ -1,8 +1,10 @@
 """RL objectives and the policy update: advantages, losses, chunked log-probs, update step."""
 from lrl.rl.advantages import ESTIMATORS, advantages
+from lrl.rl.fused_head import fused_token_loss
 from lrl.rl.logprobs import token_logprobs_and_entropy
 from lrl.rl.losses import (AGGREGATIONS, Denominators, LossConfig, combine_metrics,
-                           loss_denominators, packed_policy_loss, policy_loss, token_weights)
+                           loss_denominators, packed_policy_loss, policy_loss, token_loss,
+                           token_loss_aux, token_weights)
 from lrl.rl.optim import default_decay_mask, learning_rate, lr_schedule, make_optimizer
 from lrl.rl.update import (TrainState, init_train_state, logprobs, make_init_fn,
                            make_logprobs_fn, make_update_fn, train_state_shardings, update_step)

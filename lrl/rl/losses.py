@@ -196,6 +196,51 @@ def packed_policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, segment_ids_BT,
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
+def token_loss_aux(mask_BT, segment_ids_BT, denoms: Denominators, cfg: LossConfig, *,
+                   adv_BT, old_logp_BT=None, ref_logp_BT=None, rollout_logp_BT=None) -> dict:
+    """The per-token constants of `token_loss` ([B, T] float32 each): weight (the aggregation's,
+    zero off the mask), advantage, and where given the old, reference and rollout log-probs.
+    Without old log-probs the batch is on-policy: old = current, without gradient."""
+    if cfg.ratio_level != "token":
+        raise ValueError("loss: a per-token loss needs ratio_level='token' (GSPO's sequence "
+                         "ratio couples the tokens of a sequence)")
+    if cfg.tis_cap is not None and rollout_logp_BT is None:
+        raise ValueError("loss: tis_cap is set but rollout_logp_BT was not given")
+    if cfg.kl_coef != 0.0 and ref_logp_BT is None:
+        raise ValueError(f"loss: kl_coef={cfg.kl_coef} needs ref_logp_BT")
+    if cfg.aggregation == "seq_mean_token_sum_norm" and cfg.max_len is None:
+        raise ValueError("loss: aggregation seq_mean_token_sum_norm needs max_len")
+    m_BT = _float_mask(mask_BT, segment_ids_BT)
+    w_BT = jnp.where(m_BT > 0, token_weights(m_BT, segment_ids_BT, denoms, cfg.aggregation), 0.0)
+    aux = {"w": w_BT, "on": (m_BT > 0).astype(jnp.float32), "adv": adv_BT}
+    for key, x in (("old", old_logp_BT), ("ref", ref_logp_BT), ("rollout", rollout_logp_BT)):
+        if x is not None:
+            aux[key] = x
+    return {k: jnp.asarray(x, jnp.float32) for k, x in aux.items()}
+
+
+def token_loss(logp, ent, aux, *, cfg: LossConfig):
+    """Each token's share of `packed_policy_loss`'s loss (token-level ratios), elementwise:
+    summed over tokens it is that loss, and so is its gradient in logp and ent. `aux` comes
+    from `token_loss_aux` (any shape, the same for every entry)."""
+    on = aux["on"] > 0
+    old = aux["old"] if "old" in aux else jax.lax.stop_gradient(logp)
+    ratio = jnp.exp(jnp.clip(jnp.where(on, logp - old, 0.0), -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    adv = aux["adv"]
+    pg = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high))
+    if cfg.dual_clip is not None:
+        pg = jnp.where(adv < 0, jnp.minimum(pg, -adv * cfg.dual_clip), pg)
+    if cfg.tis_cap is not None:
+        tis = jnp.exp(jnp.clip(old - aux["rollout"], -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        pg = pg * jax.lax.stop_gradient(jnp.minimum(jnp.where(on, tis, 1.0), cfg.tis_cap))
+    term = jnp.where(on, pg, 0.0)
+    if cfg.kl_coef != 0.0:
+        term = term + cfg.kl_coef * jnp.where(on, _kl(logp, aux["ref"], cfg.kl_estimator), 0.0)
+    if cfg.entropy_coef != 0.0:
+        term = term - cfg.entropy_coef * jnp.where(on, ent, 0.0)
+    return aux["w"] * term
+
+
 def combine_metrics(a: dict, b: dict) -> dict:
     """Merges the metrics of two micro-batches: extremes by min/max, everything else adds."""
     if a.keys() != b.keys():

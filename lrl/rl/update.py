@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from lrl import mesh as mesh_lib
 from lrl import models
 from lrl.rl import losses, optim
+from lrl.rl.fused_head import fused_token_loss
 from lrl.rl.logprobs import token_logprobs_and_entropy
 
 REQUIRED_KEYS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "advantages")
@@ -87,8 +88,8 @@ def _constrain(batch: dict, mesh):
     return {k: one(k, x) for k, x in batch.items()}
 
 
-def _token_logprobs(model_cfg, params, mb, mesh, chunk, compute_entropy, packed=True,
-                    visual_table_RD=None):
+def _hidden_and_unembedding(model_cfg, params, mb, mesh, packed=True, visual_table_RD=None):
+    """Final hidden states x_BTD and the unembedding w_DV in the compute dtype."""
     # packed=False: every row is one sequence, so attention needs no segment mask (cuDNN's
     # plain causal kernel instead of its packed layout); the loss still reads segment_ids.
     if "visual_index" in mb:
@@ -108,6 +109,12 @@ def _token_logprobs(model_cfg, params, mb, mesh, chunk, compute_entropy, packed=
         # V stays split over tensor where it divides.
         v_axis = "tensor" if w_DV.shape[1] % mesh.shape["tensor"] == 0 else None
         w_DV = jax.lax.with_sharding_constraint(w_DV, NamedSharding(mesh, P(None, v_axis)))
+    return x_BTD, w_DV
+
+
+def _token_logprobs(model_cfg, params, mb, mesh, chunk, compute_entropy, packed=True,
+                    visual_table_RD=None):
+    x_BTD, w_DV = _hidden_and_unembedding(model_cfg, params, mb, mesh, packed, visual_table_RD)
     return token_logprobs_and_entropy(x_BTD, w_DV,
                                       mb["targets"].astype(jnp.int32), chunk=chunk,
                                       compute_entropy=compute_entropy)
@@ -123,13 +130,15 @@ def _metric_identity(shapes):
 def update_step(state: TrainState, batch, visual_table_RD=None, *, model_cfg,
                 loss_cfg: losses.LossConfig, tx: optax.GradientTransformation, mesh=None,
                 num_micro: int = 1, chunk: int = 1024, compute_entropy: bool = True,
-                packed: bool = True):
+                packed: bool = True, fused_head: bool = False):
     """One optimizer step on a minibatch of packed rows -> (new state, metrics).
 
     Gradients are taken with respect to the master params (the model casts them to
     cfg.dtype for compute) and accumulated in fp32 over `num_micro` micro-batches.
     `compute_entropy` adds the (cheap) entropy metric; it is needed when
-    loss_cfg.entropy_coef != 0.
+    loss_cfg.entropy_coef != 0. `fused_head` forms the loss's gradient in the lm head's
+    forward pass (`lrl.rl.fused_head`: no logits recomputed) when the ratios are per token;
+    GSPO's sequence ratios always take the unfused path.
     """
     _check_batch(batch, num_micro)
     if loss_cfg.entropy_coef != 0.0 and not compute_entropy:
@@ -148,8 +157,19 @@ def update_step(state: TrainState, batch, visual_table_RD=None, *, model_cfg,
 
     def micro_loss(params, mb):
         mb = _constrain(mb, mesh)
-        return terms(*_token_logprobs(model_cfg, params, mb, mesh, chunk, compute_entropy,
-                                      packed, visual_table_RD), mb)
+        if not (fused_head and loss_cfg.ratio_level == "token"):
+            return terms(*_token_logprobs(model_cfg, params, mb, mesh, chunk, compute_entropy,
+                                          packed, visual_table_RD), mb)
+        x_BTD, w_DV = _hidden_and_unembedding(model_cfg, params, mb, mesh, packed,
+                                              visual_table_RD)
+        aux = losses.token_loss_aux(mb["loss_mask"], mb["segment_ids"], denoms, loss_cfg,
+                                    adv_BT=mb["advantages"], old_logp_BT=mb.get("old_logp"),
+                                    ref_logp_BT=mb.get("ref_logp"),
+                                    rollout_logp_BT=mb.get("rollout_logp"))
+        loss, logp_BT, ent_BT = fused_token_loss(
+            x_BTD, w_DV, mb["targets"], functools.partial(losses.token_loss, cfg=loss_cfg), aux,
+            chunk=chunk, compute_entropy=compute_entropy)
+        return loss, terms(logp_BT, ent_BT, mb)[1]   # the metrics, from the same log-probs
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     micro = _micro_split(batch, num_micro)
@@ -238,14 +258,16 @@ def make_init_fn(model_cfg, tx, mesh=None):
 
 
 def make_update_fn(model_cfg, loss_cfg, tx, mesh=None, *, num_micro: int = 1,
-                   chunk: int = 1024, compute_entropy: bool = True, packed: bool = True):
+                   chunk: int = 1024, compute_entropy: bool = True, packed: bool = True,
+                   fused_head: bool = False):
     """update_step jitted once: the state is donated; with a mesh, the state keeps its
     sharding, batch rows go over (data, fsdp) and positions over seq, metrics are replicated.
     Vision-language batches (`fn(state, batch, visual_table)`) on a mesh go through
     `lrl.vl_grpo.make_vl_update_fn`, which places the visual table replicated."""
     step = functools.partial(update_step, model_cfg=model_cfg, loss_cfg=loss_cfg, tx=tx,
                              mesh=mesh, num_micro=num_micro, chunk=chunk,
-                             compute_entropy=compute_entropy, packed=packed)
+                             compute_entropy=compute_entropy, packed=packed,
+                             fused_head=fused_head)
     return jit_step(step, model_cfg, tx, mesh)
 
 
