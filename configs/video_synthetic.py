@@ -92,6 +92,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.micro_batches = 1
     c.rl.row_len = 256
     c.rl.logprob_chunk = 1024        # positions of every row per step of the log-prob scan
+    c.rl.fused_head = False          # loss gradient formed in the lm head's forward pass
     c.rl.overlong = "none"
     c.rl.overlong_buffer = 4
     c.rl.overlong_penalty = 1.0

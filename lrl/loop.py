@@ -180,7 +180,8 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> 
     needs_old = rl_cfg.epochs * rl_cfg.minibatches > 1 or use_sampler_logp
     update_fn = update_lib.make_update_fn(r.model_cfg, loss_cfg, tx, r.mesh,
                                           num_micro=rl_cfg.micro_batches,
-                                          chunk=rl_cfg.logprob_chunk)
+                                          chunk=rl_cfg.logprob_chunk,
+                                          fused_head=rl_cfg.fused_head)
     logp_fn = None
     if (needs_old and not use_sampler_logp) or loss_cfg.kl_coef:
         logp_fn = update_lib.make_logprobs_fn(r.model_cfg, r.mesh,

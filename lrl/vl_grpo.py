@@ -130,12 +130,13 @@ def _check_token_ids(vl_cfg, tokenizer, where: str) -> None:
 # ----------------------------------------------------------------------------- compiled steps
 
 def make_vl_update_fn(text_cfg, loss_cfg, tx, mesh=None, *, num_micro: int = 1,
-                      chunk: int = 1024):
+                      chunk: int = 1024, fused_head: bool = False):
     """fn(state, batch, visual_table) -> (state, metrics): `update_step` jitted once, the state
     donated and kept in its sharding; the batch comes placed by `put_batch`, the table
     replicated (`put_table`)."""
     step = functools.partial(update_lib.update_step, model_cfg=text_cfg, loss_cfg=loss_cfg,
-                             tx=tx, mesh=mesh, num_micro=num_micro, chunk=chunk)
+                             tx=tx, mesh=mesh, num_micro=num_micro, chunk=chunk,
+                             fused_head=fused_head)
     if mesh is None:
         return jax.jit(step, donate_argnums=(0,))
     state_sh = update_lib.train_state_shardings(text_cfg, tx, mesh)
@@ -336,7 +337,8 @@ def run(config, workdir: str) -> dict:
                             if sp else None),
                 update_fn=make_vl_update_fn(text_cfg, loss_cfg, tx, mesh,
                                             num_micro=rl_cfg.micro_batches,
-                                            chunk=rl_cfg.logprob_chunk),
+                                            chunk=rl_cfg.logprob_chunk,
+                                            fused_head=rl_cfg.fused_head),
                 logp_fn=(make_vl_logprobs_fn(text_cfg, mesh, num_micro=rl_cfg.micro_batches,
                                              chunk=rl_cfg.logprob_chunk)
                          if needs_old or loss_cfg.kl_coef else None),

@@ -39,7 +39,7 @@ def tiny(**kw):
 
 
 def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: int,
-        packed: bool, seq: int = 1) -> dict:
+        packed: bool, seq: int = 1, fused_head: bool = False) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -54,7 +54,8 @@ def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
                               devices=jax.devices()[:seq])
     tx = optim.make_optimizer(lr=1e-6, warmup_steps=1, total_steps=100)
     state = update.make_init_fn(cfg, tx, mesh)(jax.random.key(0))
-    fn = update.make_update_fn(cfg, losses.LossConfig(), tx, mesh, chunk=chunk, packed=packed)
+    fn = update.make_update_fn(cfg, losses.LossConfig(), tx, mesh, chunk=chunk, packed=packed,
+                               fused_head=fused_head)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (1, L), dtype=np.int32)
     batch = {"tokens": tokens, "positions": np.arange(L, dtype=np.int32)[None],
@@ -84,7 +85,7 @@ def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
     flops = (6 * n_params + 6 * cfg.n_layers * L * cfg.d_model) * L
     stats = jax.devices()[0].memory_stats() or {}
     return {"lrl": True, "seq": L, "remat": remat, "attention": attention, "packed": packed,
-            "devices": seq, "step_s": dt,
+            "devices": seq, "fused_head": fused_head, "step_s": dt,
             "tokens_per_s": L / dt, "tflops": flops / dt / 1e12 / seq, "compile_s": compile_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
             "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
@@ -105,6 +106,8 @@ def main():
                     help="attend through the packed-row (segment ids) path, as RL batches do")
     ap.add_argument("--seq", type=int, default=1,
                     help="devices the row is split over (with --attention ring or ulysses)")
+    ap.add_argument("--fused-head", action="store_true",
+                    help="the loss's gradient formed in the lm head's forward (lrl.rl.fused_head)")
     ap.add_argument("--child", default="")
     ap.add_argument("--out", default="")
     ap.add_argument("--budget-s", type=float, default=0, help="skip what would start later")
@@ -112,7 +115,8 @@ def main():
     if a.child:
         L, remat = a.child.split(":")
         try:
-            rec = one(int(L), remat, a.smoke, a.repeats, a.attention, a.chunk, a.packed, a.seq)
+            rec = one(int(L), remat, a.smoke, a.repeats, a.attention, a.chunk, a.packed, a.seq,
+                      a.fused_head)
         except Exception as e:  # out of memory, mostly: record it and go on
             rec = {"lrl": True, "seq": int(L), "remat": remat, "error": f"{type(e).__name__}: "
                    f"{str(e).splitlines()[0][:200]}"}
@@ -134,6 +138,7 @@ def main():
                    str(a.repeats), "--attention", a.attention, "--chunk", str(a.chunk),
                    "--seq", str(a.seq)]
             cmd += ["--packed"] if a.packed else []
+            cmd += ["--fused-head"] if a.fused_head else []
             cmd += ["--smoke"] if a.smoke else []
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             recs = [json.loads(l[7:]) for l in out.stdout.splitlines() if l.startswith("RESULT ")]
