@@ -22,7 +22,6 @@ G query heads per kv head · C chunk · M segments per row.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -296,52 +295,6 @@ def _block_args(q, k, v, mask_kind, q_seg, kv_seg, where):
     return segmented, segmented and mask_kind == "causal" and q_seg is not kv_seg
 
 
-@dataclasses.dataclass(frozen=True)
-class _PackedRuns:
-    """A causal block's segments in cuDNN's packed layout (M = max_segments runs a row).
-    cuDNN keeps the log-sum-exp per run: [B·M, N, T], the runs of all rows numbered one after
-    another (row b's run m is slot m + the run count of rows 0..b-1; measured on an H200),
-    each from position 0, the slots past the last run unused. A ring merges and passes it per
-    token, [B, N, T]."""
-    offsets_BM: jax.Array     # [B, M+1], -1 past the row's runs
-    lengths_BM: jax.Array     # [B, M]
-    slot_BT: jax.Array        # each token's stats slot x T + its position in its run
-    too_many_B: jax.Array     # rows with more than M runs (their output is NaN)
-
-    @classmethod
-    def of(cls, seg_BT, max_segments):
-        M = int(max_segments)
-        offsets_BM, lengths_BM, count_B = fc.segment_runs(seg_BT, M)
-        seg = seg_BT.astype(jnp.int32)
-        T = seg.shape[1]
-        start_BT = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], 1)
-        run_BT = jnp.minimum(jnp.cumsum(start_BT, axis=1) - 1, M - 1)
-        used_B = jnp.minimum(count_B, M)                         # cuDNN sees M runs at most
-        first_B = jnp.cumsum(used_B) - used_B                    # runs of the rows before
-        pos_BT = jnp.arange(T)[None] - jnp.take_along_axis(offsets_BM, run_BT, axis=1)
-        slot_BT = (first_B[:, None] + run_BT) * T + pos_BT
-        return cls(offsets_BM, lengths_BM, slot_BT, count_B > M)
-
-    @property
-    def kwargs(self):
-        return dict(q_len=self.lengths_BM, kv_len=self.lengths_BM, q_off=self.offsets_BM,
-                    kv_off=self.offsets_BM)
-
-    def stats_to_tokens(self, stats):
-        BM, N, T = stats.shape
-        flat_NX = stats.transpose(1, 0, 2).reshape(N, BM * T)
-        # a row past the M runs reads a clipped slot: its output is NaN anyway
-        return jnp.take(flat_NX, jnp.minimum(self.slot_BT, BM * T - 1), axis=1).transpose(1, 0, 2)
-
-    def tokens_to_stats(self, lse_BNT):
-        B, N, T = lse_BNT.shape
-        M = self.lengths_BM.shape[1]
-        flat_XN = jnp.zeros((B * M * T, N), jnp.float32)
-        flat_XN = flat_XN.at[self.slot_BT.reshape(-1)].set(
-            lse_BNT.transpose(0, 2, 1).reshape(B * T, N), mode="drop")
-        return flat_XN.reshape(B * M, T, N).transpose(0, 2, 1)
-
-
 def _xla_masks(q, k, mask_kind, q_seg, kv_seg):
     B, T, S = q.shape[0], q.shape[1], k.shape[1]
     causal = mask_kind == "causal"
@@ -377,7 +330,7 @@ def block_attention(q_BTNH, k_BSKH, v_BSKH, *, mask_kind, q_segment_ids=None,
         o, lse = fc.fwd(q_BTNH, k_BSKH, v_BSKH, causal=mask_kind == "causal", scale=scale)
         return o.astype(out_dtype), lse
     if mask_kind == "causal":
-        runs = _PackedRuns.of(q_segment_ids, max_segments)
+        runs = fc.PackedRuns.of(q_segment_ids, max_segments)
         o, stats = fc.fwd(q_BTNH, k_BSKH, v_BSKH, causal=True, scale=scale, **runs.kwargs)
         o = jnp.where(runs.too_many_B[:, None, None, None], jnp.nan, o)
         return o.astype(out_dtype), runs.stats_to_tokens(stats)
@@ -411,7 +364,7 @@ def block_attention_bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BNT, do_BTNH, *, mas
         return f32(*fc.bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BNT, do_BTNH,
                            causal=mask_kind == "causal", scale=scale))
     if mask_kind == "causal":
-        runs = _PackedRuns.of(q_segment_ids, max_segments)
+        runs = fc.PackedRuns.of(q_segment_ids, max_segments)
         return f32(*fc.bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, runs.tokens_to_stats(lse_BNT),
                            do_BTNH, causal=True, scale=scale, **runs.kwargs))
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]

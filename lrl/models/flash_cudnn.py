@@ -1,7 +1,7 @@
 """The one place that touches jax's private cuDNN attention
 (`jax._src.cudnn.fused_attention_stablehlo`): forward with log-sum-exp, the backward
-primitive bound directly (so a ring can hand it the *global* output and log-sum-exp), and
-packed-segment dense attention. The import is guarded; `unavailable_reason` says why cuDNN
+primitive bound directly (so a ring can hand it the *global* output and log-sum-exp),
+packed-segment dense attention, and the packed layout's per-run log-sum-exp (`PackedRuns`). The import is guarded; `unavailable_reason` says why cuDNN
 cannot run, and callers (lrl.models.flash) then take the XLA path.
 
 B batch · T query positions · S key/value positions · N query heads · K kv heads · H head dim ·
@@ -9,6 +9,7 @@ M segments per row.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -149,3 +150,49 @@ def dense_causal(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, scale, max_segments)
                    dict(q_len=lengths, kv_len=lengths, q_off=offsets, kv_off=offsets))
     too_many = (count_B > max_segments)[:, None, None, None]
     return jnp.where(too_many, jnp.nan, o).astype(q_BTNH.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedRuns:
+    """A causal block's segments in cuDNN's packed layout (M = max_segments runs a row).
+    cuDNN keeps the log-sum-exp per run: [B·M, N, T], the runs of all rows numbered one after
+    another (row b's run m is slot m + the run count of rows 0..b-1; measured on an H200),
+    each from position 0, the slots past the last run unused. A ring merges and passes it per
+    token, [B, N, T]."""
+    offsets_BM: jax.Array     # [B, M+1], -1 past the row's runs
+    lengths_BM: jax.Array     # [B, M]
+    slot_BT: jax.Array        # each token's stats slot x T + its position in its run
+    too_many_B: jax.Array     # rows with more than M runs (their output is NaN)
+
+    @classmethod
+    def of(cls, seg_BT, max_segments):
+        M = int(max_segments)
+        offsets_BM, lengths_BM, count_B = segment_runs(seg_BT, M)
+        seg = seg_BT.astype(jnp.int32)
+        T = seg.shape[1]
+        start_BT = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], 1)
+        run_BT = jnp.minimum(jnp.cumsum(start_BT, axis=1) - 1, M - 1)
+        used_B = jnp.minimum(count_B, M)                         # cuDNN sees M runs at most
+        first_B = jnp.cumsum(used_B) - used_B                    # runs of the rows before
+        pos_BT = jnp.arange(T)[None] - jnp.take_along_axis(offsets_BM, run_BT, axis=1)
+        slot_BT = (first_B[:, None] + run_BT) * T + pos_BT
+        return cls(offsets_BM, lengths_BM, slot_BT, count_B > M)
+
+    @property
+    def kwargs(self):
+        return dict(q_len=self.lengths_BM, kv_len=self.lengths_BM, q_off=self.offsets_BM,
+                    kv_off=self.offsets_BM)
+
+    def stats_to_tokens(self, stats):
+        BM, N, T = stats.shape
+        flat_NX = stats.transpose(1, 0, 2).reshape(N, BM * T)
+        # a row past the M runs reads a clipped slot: its output is NaN anyway
+        return jnp.take(flat_NX, jnp.minimum(self.slot_BT, BM * T - 1), axis=1).transpose(1, 0, 2)
+
+    def tokens_to_stats(self, lse_BNT):
+        B, N, T = lse_BNT.shape
+        M = self.lengths_BM.shape[1]
+        flat_XN = jnp.zeros((B * M * T, N), jnp.float32)
+        flat_XN = flat_XN.at[self.slot_BT.reshape(-1)].set(
+            lse_BNT.transpose(0, 2, 1).reshape(B * T, N), mode="drop")
+        return flat_XN.reshape(B * M, T, N).transpose(0, 2, 1)
