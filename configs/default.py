@@ -44,6 +44,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.attention = "dense"      # dense | ring | ulysses (ring/ulysses shard over mesh.seq)
     c.model.attention_impl = ""      # "" = cuDNN on GPU, XLA elsewhere; or "xla" / "cudnn"
     c.model.remat = "full"           # none | full | dots | dots_no_batch | dots_attn | save_attn | offload_attn
+    c.model.param_shard_axes = "fsdp"  # "fsdp,seq": the seq devices shard the parameters too
 
     # --- tokenizer: a local HF tokenizer dir, or "" to train one on the synthetic task ------
     c.tokenizer = ml_collections.ConfigDict()

@@ -2,7 +2,8 @@
 
 A sample's prompt (a long document and a question) is up to ~120K tokens; each packed row
 spans the `seq` axis, so every GPU holds T/8 tokens of it and ring attention passes K/V
-blocks around (zig-zag layout for causal balance). Rows of
+blocks around (zig-zag layout for causal balance). The same 8 devices shard the parameters
+and optimizer state (`model.param_shard_axes="fsdp,seq"`). Rows of
 `{"prompt": <document + question>, "answer": ...}` in a local jsonl.
 
     python -m lrl.main --config=configs/long_context_ring.py --workdir=/runs/q7-longctx \\
@@ -24,7 +25,10 @@ def get_config(arg: str | None = None):
         raise ValueError(f"configs/long_context_ring.py takes no argument, got {arg!r}")
     c = _default()
     c.model.update(hf_path="", dtype="bfloat16", param_dtype="float32", attention="ring",
-                   remat="save_attn")  # keeps each layer's ring output: no second ring
+                   remat="save_attn",  # keeps each layer's ring output: no second ring
+                   # fp32 masters, Adam moments and gradients are 16 bytes a parameter,
+                   # 122 GB for 7B: sharded over the 8 seq devices they are 15 GB each
+                   param_shard_axes="fsdp,seq")
     c.tokenizer.path = ""
     c.mesh.update(data=1, fsdp=1, seq=8, tensor=1)   # one 8-GPU node: the row spans all 8
     c.data.update(source="jsonl", paths="", eval_paths="", prompt_field="prompt",

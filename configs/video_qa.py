@@ -22,7 +22,8 @@ own (`tokenizer.path` overrides it).
 
 On 8 GPUs the default mesh is fsdp=2 x seq=4 with ring attention: every packed row of the
 update and every prompt of the rollout prefill is split over the 4 seq shards (Long-RL's
-MR-SP stage 2), and the vision tower splits each video's frames over all 8 devices.
+MR-SP stage 2), the vision tower splits each video's frames over all 8 devices, and the
+text parameters and optimizer state are sharded over all 8 (fsdp x seq).
 
 Small variant (a tiny random policy, a tokenizer trained on the jsonl's text; CPU):
 
@@ -54,7 +55,8 @@ def get_config(arg: str | None = None):
         instruction="Answer with \\boxed{...}.",
         choice_instruction="Answer with the option's letter in \\boxed{}."))
     c.model.update(hf_path="", dtype="bfloat16", param_dtype="float32", attention="ring",
-                   attention_impl="", remat="full")
+                   attention_impl="", remat="full",
+                   param_shard_axes="fsdp,seq")  # 7B's masters and Adam over all 8 devices
     c.tokenizer.path = ""            # "" = the model directory's tokenizer
     c.mesh.update(data=1, fsdp=-1, seq=4, tensor=1)
     # 64 frames -> 32 temporal patches of at most 256 tokens: up to 8192 visual tokens a prompt.

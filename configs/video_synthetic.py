@@ -56,6 +56,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                      # row (update) and each prompt (rollout prefill) over mesh.seq
     c.model.attention_impl = ""      # "" = cuDNN on GPU, XLA elsewhere; or "xla" / "cudnn"
     c.model.remat = "none"           # none | full | dots | dots_no_batch | save_attn | offload_attn
+    c.model.param_shard_axes = "fsdp"  # "fsdp,seq": the seq devices shard the parameters too
 
     # --- the device mesh: sizes per axis, -1 = all remaining devices (one process) -------------
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, seq=1, tensor=1))

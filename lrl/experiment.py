@@ -40,6 +40,11 @@ def check_config(config) -> None:
     for key, (value, valid) in choices.items():
         if value not in valid:
             raise ValueError(f"{key}={value!r}; choose one of {valid}")
+    from lrl.models.config import PARAM_SHARD_AXES
+    axes = param_shard_axes(config.model.param_shard_axes)
+    if any(a not in PARAM_SHARD_AXES for a in axes) or len(set(axes)) != len(axes):
+        raise ValueError(f"model.param_shard_axes={config.model.param_shard_axes!r}; give "
+                         f"distinct axes from {PARAM_SHARD_AXES}, comma-separated")
     from lrl.rl.advantages import ESTIMATORS
     if config.rl.estimator not in ESTIMATORS:
         raise ValueError(f"rl.estimator={config.rl.estimator!r}; choose one of {ESTIMATORS}")
@@ -94,10 +99,16 @@ def build_tokenizer(config, workdir: str):
                                    out_dir=out if jax.process_index() == 0 else None)
 
 
+def param_shard_axes(spec: str) -> tuple[str, ...]:
+    """model.param_shard_axes, "fsdp" or "fsdp,seq" -> ("fsdp",) or ("fsdp", "seq")."""
+    return tuple(a.strip() for a in spec.split(",") if a.strip())
+
+
 def model_config(config, tokenizer) -> models.ModelConfig:
     m = config.model
     run = dict(dtype=dtype(m.dtype), param_dtype=dtype(m.param_dtype), attention=m.attention,
-               attention_impl=m.attention_impl or None, remat=m.remat)
+               attention_impl=m.attention_impl or None, remat=m.remat,
+               param_shard_axes=param_shard_axes(m.param_shard_axes))
     if m.hf_path:
         return models.from_hf_dir(m.hf_path, **run)
     eos = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
@@ -114,7 +125,8 @@ def initial_params(config, cfg: models.ModelConfig, mesh):
         _, params = models.load_hf(config.model.hf_path, dtype=cfg.param_dtype, mesh=mesh,
                                    **{f.name: getattr(cfg, f.name) for f in
                                       dataclasses.fields(cfg) if f.name in
-                                      ("dtype", "attention", "attention_impl", "remat")})
+                                      ("dtype", "attention", "attention_impl", "remat",
+                                       "param_shard_axes")})
         return params
     return models.init_params(cfg, jax.random.key(config.seed), mesh)
 

@@ -98,10 +98,11 @@ def spec_for(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
     return P(*out)
 
 
-def param_shardings(mesh: Mesh, shapes, axes) -> object:
+def param_shardings(mesh: Mesh, shapes, axes,
+                    rules: Mapping[str, tuple[str, ...]] = PARAM_RULES) -> object:
     """NamedShardings for a parameter tree, given its shapes and its logical-axes tree."""
     return jax.tree.map(
-        lambda s, a: NamedSharding(mesh, spec_for(a, s.shape, mesh)), shapes, axes,
+        lambda s, a: NamedSharding(mesh, spec_for(a, s.shape, mesh, rules)), shapes, axes,
         is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, (str, type(None))) for e in x))
 
 

@@ -86,7 +86,7 @@ def build_policy(config, tokenizer, mesh=None):
     text half sharded over `mesh` by lrl's rules, the vision half replicated."""
     m = config.model
     run_kw = dict(attention=m.attention, attention_impl=m.attention_impl or None,
-                  remat=m.remat)
+                  remat=m.remat, param_shard_axes=ex.param_shard_axes(m.param_shard_axes))
     if m.hf_path:
         # load_hf_vl's dtype is the storage dtype (and its compute dtype): set compute after.
         vl_cfg, params = vl_io.load_hf_vl(m.hf_path, ex.dtype(m.param_dtype), mesh=mesh,

@@ -41,6 +41,7 @@ def test_config_builds_and_documents_its_command(path):
     ("rl.group_size", 1, "rl.group_size=1"),
     ("rl.overlong", "clip", "rl.overlong='clip'"),
     ("model.dtype", "fp8", "model.dtype='fp8'"),
+    ("model.param_shard_axes", "fsdp,tensor", "model.param_shard_axes='fsdp,tensor'"),
 ])
 def test_bad_values_fail_up_front_naming_the_key(key, value, match):
     c = _load(os.path.join(ROOT, "configs", "default.py")).get_config()

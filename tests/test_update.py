@@ -117,6 +117,27 @@ def test_fused_head_step_equals_the_unfused_step(mesh_axes, num_micro):
         np.testing.assert_allclose(gm[k], wm[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
+def test_parameters_sharded_over_fsdp_and_seq_give_the_same_step():
+    """param_shard_axes=("fsdp", "seq"): the seq devices shard parameters and optimizer state
+    too (ZeRO-3 over fsdp x seq); the step is unchanged."""
+    cfg = CFG.replace(param_shard_axes=("fsdp", "seq"))
+    tx = optax.sgd(1.0)
+    want, wm = _reference()
+    mesh = mesh_lib.make_mesh({"fsdp": 2, "seq": 4})
+    sh = upd.train_state_shardings(cfg, tx, mesh)
+    spec = sh.params["layers"]["q_proj"]["kernel"].spec
+    assert "fsdp" in str(spec) and "seq" in str(spec), spec
+    state = jax.device_put(_state(_params(), tx), sh)
+    got, gm = upd.make_update_fn(cfg, LOSS, tx, mesh, num_micro=2, chunk=8)(
+        state, jax.device_put(_batch(), mesh_lib.batch_sharding(mesh, 2)))
+    assert got.params["layers"]["q_proj"]["kernel"].sharding.spec == spec
+    _assert_trees_close(got.params, want.params, rtol=1e-4, atol=1e-6)
+    for k in wm:
+        np.testing.assert_allclose(gm[k], wm[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    with pytest.raises(ValueError, match="param_shard_axes"):
+        CFG.replace(param_shard_axes=("tensor",))
+
+
 def test_lr_schedule_and_decay_mask():
     s = optim.lr_schedule(1.0, warmup_steps=4, total_steps=12, end_lr_ratio=0.1)
     # Warm-up (k+1)/4; then 0.1 + 0.9·½(1 + cos(π·(k-4)/8)); constant 0.1 after step 12.

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 ATTENTION_KINDS = ("dense", "ring", "ulysses")
+PARAM_SHARD_AXES = ("fsdp", "seq")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_attn", "save_attn",
                   "offload_attn")
 
@@ -56,6 +57,11 @@ class ModelConfig:
     attention_impl: Optional[str] = None  # None: cuDNN on GPU else XLA; or "xla" / "cudnn"
     remat: str = "full"               # one of REMAT_POLICIES
     scan_layers: bool = True
+    # Mesh axes that shard the parameters' model dimension (and so the optimizer state), in
+    # order. ("fsdp", "seq") makes the sequence-parallel devices FSDP shards as well, as
+    # verl's FSDP spans every rank: a 7B model's fp32 masters and Adam moments then fit when
+    # one sequence spans a whole node.
+    param_shard_axes: tuple[str, ...] = ("fsdp",)
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -68,6 +74,10 @@ class ModelConfig:
         if self.mrope_section and 2 * sum(self.mrope_section) != self.head_dim:
             raise ValueError(f"mrope_section={self.mrope_section} must sum to head_dim/2 = "
                              f"{self.head_dim // 2}")
+        bad = [a for a in self.param_shard_axes if a not in PARAM_SHARD_AXES]
+        if bad or len(set(self.param_shard_axes)) != len(self.param_shard_axes):
+            raise ValueError(f"param_shard_axes={self.param_shard_axes}; use distinct axes "
+                             f"from {PARAM_SHARD_AXES}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of "
                              f"n_kv_heads={self.n_kv_heads}")

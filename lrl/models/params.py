@@ -69,7 +69,8 @@ def abstract_params(cfg: ModelConfig):
 
 def param_shardings(cfg: ModelConfig, mesh, shapes=None):
     shapes = abstract_params(cfg) if shapes is None else shapes
-    return mesh_lib.param_shardings(mesh, shapes, logical_axes(shapes))
+    rules = {**mesh_lib.PARAM_RULES, "embed": tuple(cfg.param_shard_axes)}
+    return mesh_lib.param_shardings(mesh, shapes, logical_axes(shapes), rules)
 
 
 def init_params(cfg: ModelConfig, rng, mesh=None):
