@@ -39,7 +39,8 @@ def tiny(**kw):
 
 
 def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: int,
-        packed: bool, seq: int = 1, fused_head: bool = False) -> dict:
+        packed: bool, seq: int = 1, fused_head: bool = False,
+        param_shard_axes: tuple = ("fsdp",)) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -48,7 +49,8 @@ def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
 
     dtype = jnp.float32 if smoke else jnp.bfloat16
     make = tiny if smoke else qwen25_15b
-    cfg = make(dtype=dtype, param_dtype=jnp.float32, remat=remat, attention=attention)
+    cfg = make(dtype=dtype, param_dtype=jnp.float32, remat=remat, attention=attention,
+               param_shard_axes=param_shard_axes)
     # seq > 1: the row's tokens split over `seq` devices (ring or ulysses attention)
     mesh = mesh_lib.make_mesh({"seq": seq} if seq > 1 else {"fsdp": -1},
                               devices=jax.devices()[:seq])
@@ -106,6 +108,8 @@ def main():
                     help="attend through the packed-row (segment ids) path, as RL batches do")
     ap.add_argument("--seq", type=int, default=1,
                     help="devices the row is split over (with --attention ring or ulysses)")
+    ap.add_argument("--param-shard-axes", default="fsdp",
+                    help='"fsdp,seq": with --seq N the N devices shard the parameters too')
     ap.add_argument("--fused-head", action="store_true",
                     help="the loss's gradient formed in the lm head's forward (lrl.rl.fused_head)")
     ap.add_argument("--child", default="")
@@ -116,7 +120,7 @@ def main():
         L, remat = a.child.split(":")
         try:
             rec = one(int(L), remat, a.smoke, a.repeats, a.attention, a.chunk, a.packed, a.seq,
-                      a.fused_head)
+                      a.fused_head, tuple(x for x in a.param_shard_axes.split(",") if x))
         except Exception as e:  # out of memory, mostly: record it and go on
             rec = {"lrl": True, "seq": int(L), "remat": remat, "error": f"{type(e).__name__}: "
                    f"{str(e).splitlines()[0][:200]}"}
@@ -139,6 +143,7 @@ def main():
                    "--seq", str(a.seq)]
             cmd += ["--packed"] if a.packed else []
             cmd += ["--fused-head"] if a.fused_head else []
+            cmd += ["--param-shard-axes", a.param_shard_axes]
             cmd += ["--smoke"] if a.smoke else []
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             recs = [json.loads(l[7:]) for l in out.stdout.splitlines() if l.startswith("RESULT ")]
