@@ -40,11 +40,9 @@ def check_config(config) -> None:
     for key, (value, valid) in choices.items():
         if value not in valid:
             raise ValueError(f"{key}={value!r}; choose one of {valid}")
-    from lrl.models.config import PARAM_SHARD_AXES
-    axes = param_shard_axes(config.model.param_shard_axes)
-    if any(a not in PARAM_SHARD_AXES for a in axes) or len(set(axes)) != len(axes):
-        raise ValueError(f"model.param_shard_axes={config.model.param_shard_axes!r}; give "
-                         f"distinct axes from {PARAM_SHARD_AXES}, comma-separated")
+    from lrl.models.config import check_param_shard_axes
+    check_param_shard_axes(param_shard_axes(config.model.param_shard_axes),
+                           "model.param_shard_axes", config.model.param_shard_axes)
     from lrl.rl.advantages import ESTIMATORS
     if config.rl.estimator not in ESTIMATORS:
         raise ValueError(f"rl.estimator={config.rl.estimator!r}; choose one of {ESTIMATORS}")

@@ -17,6 +17,13 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_attn", "save_at
                   "offload_attn")
 
 
+def check_param_shard_axes(axes, name="param_shard_axes", shown=None) -> None:
+    """Distinct axes from PARAM_SHARD_AXES, else a ValueError naming `name` and `shown`."""
+    if any(a not in PARAM_SHARD_AXES for a in axes) or len(set(axes)) != len(axes):
+        raise ValueError(f"{name}={axes if shown is None else shown!r}; give distinct axes "
+                         f"from {PARAM_SHARD_AXES}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Llama-3 style frequency scaling; `kind="default"` means none."""
@@ -74,10 +81,7 @@ class ModelConfig:
         if self.mrope_section and 2 * sum(self.mrope_section) != self.head_dim:
             raise ValueError(f"mrope_section={self.mrope_section} must sum to head_dim/2 = "
                              f"{self.head_dim // 2}")
-        bad = [a for a in self.param_shard_axes if a not in PARAM_SHARD_AXES]
-        if bad or len(set(self.param_shard_axes)) != len(self.param_shard_axes):
-            raise ValueError(f"param_shard_axes={self.param_shard_axes}; use distinct axes "
-                             f"from {PARAM_SHARD_AXES}")
+        check_param_shard_axes(self.param_shard_axes)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of "
                              f"n_kv_heads={self.n_kv_heads}")

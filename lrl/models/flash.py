@@ -332,8 +332,7 @@ def block_attention(q_BTNH, k_BSKH, v_BSKH, *, mask_kind, q_segment_ids=None,
     if mask_kind == "causal":
         runs = fc.PackedRuns.of(q_segment_ids, max_segments)
         o, stats = fc.fwd(q_BTNH, k_BSKH, v_BSKH, causal=True, scale=scale, **runs.kwargs)
-        o = jnp.where(runs.too_many_B[:, None, None, None], jnp.nan, o)
-        return o.astype(out_dtype), runs.stats_to_tokens(stats)
+        return runs.nan_where_too_many(o).astype(out_dtype), runs.stats_to_tokens(stats)
     a, b = _shared_tail(q_segment_ids, kv_segment_ids)
     shift = k_BSKH.shape[1] - b
     # an empty rectangle still gets one (masked-out) pair: cuDNN is not asked for length 0

@@ -1,8 +1,9 @@
 """The one place that touches jax's private cuDNN attention
 (`jax._src.cudnn.fused_attention_stablehlo`): forward with log-sum-exp, the backward
 primitive bound directly (so a ring can hand it the *global* output and log-sum-exp),
-packed-segment dense attention, and the packed layout's per-run log-sum-exp (`PackedRuns`). The import is guarded; `unavailable_reason` says why cuDNN
-cannot run, and callers (lrl.models.flash) then take the XLA path.
+packed-segment dense attention, and the packed layout's per-run log-sum-exp (`PackedRuns`).
+The import is guarded; `unavailable_reason` says why cuDNN cannot run, and callers
+(lrl.models.flash) then take the XLA path.
 
 B batch · T query positions · S key/value positions · N query heads · K kv heads · H head dim ·
 M segments per row.
@@ -120,12 +121,17 @@ def unavailable_reason(q, k, *, need_bwd=False) -> str | None:
     return None
 
 
+def _run_starts(segment_ids_BT):
+    """True where a run of equal ids begins (every row's first token included)."""
+    seg = segment_ids_BT.astype(jnp.int32)
+    return jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], 1)
+
+
 def segment_runs(segment_ids_BT, max_segments):
     """Contiguous runs of equal ids -> (offsets [B, M+1], lengths [B, M], count [B]) in the
     form of cuDNN's packed layout (unused slots -1). Ids must form one run per segment."""
-    B, T = segment_ids_BT.shape
-    seg = segment_ids_BT.astype(jnp.int32)
-    start_BT = jnp.concatenate([jnp.ones((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    T = segment_ids_BT.shape[1]
+    start_BT = _run_starts(segment_ids_BT)
     count_B = start_BT.sum(1).astype(jnp.int32)
     starts = jax.vmap(lambda s: jnp.nonzero(s, size=max_segments + 1, fill_value=T)[0])(start_BT)
     starts = starts.astype(jnp.int32)
@@ -145,11 +151,9 @@ def dense_causal(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, scale, max_segments)
     if max_segments < 2:
         raise ValueError(f"dense_attention: max_segments={max_segments}; cuDNN's packed layout "
                          "needs at least 2")
-    offsets, lengths, count_B = segment_runs(segment_ids_BT, max_segments)
-    o = _trainable(q_BTNH, k_BSKH, v_BSKH, scale, True,
-                   dict(q_len=lengths, kv_len=lengths, q_off=offsets, kv_off=offsets))
-    too_many = (count_B > max_segments)[:, None, None, None]
-    return jnp.where(too_many, jnp.nan, o).astype(q_BTNH.dtype)
+    runs = PackedRuns.of(segment_ids_BT, max_segments)
+    o = _trainable(q_BTNH, k_BSKH, v_BSKH, scale, True, runs.kwargs)
+    return runs.nan_where_too_many(o).astype(q_BTNH.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,10 +172,8 @@ class PackedRuns:
     def of(cls, seg_BT, max_segments):
         M = int(max_segments)
         offsets_BM, lengths_BM, count_B = segment_runs(seg_BT, M)
-        seg = seg_BT.astype(jnp.int32)
-        T = seg.shape[1]
-        start_BT = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], 1)
-        run_BT = jnp.minimum(jnp.cumsum(start_BT, axis=1) - 1, M - 1)
+        T = seg_BT.shape[1]
+        run_BT = jnp.minimum(jnp.cumsum(_run_starts(seg_BT), axis=1) - 1, M - 1)
         used_B = jnp.minimum(count_B, M)                         # cuDNN sees M runs at most
         first_B = jnp.cumsum(used_B) - used_B                    # runs of the rows before
         pos_BT = jnp.arange(T)[None] - jnp.take_along_axis(offsets_BM, run_BT, axis=1)
@@ -182,6 +184,10 @@ class PackedRuns:
     def kwargs(self):
         return dict(q_len=self.lengths_BM, kv_len=self.lengths_BM, q_off=self.offsets_BM,
                     kv_off=self.offsets_BM)
+
+    def nan_where_too_many(self, o_BTNH):
+        """A row with more runs than cuDNN was given: NaN rather than a wrong answer."""
+        return jnp.where(self.too_many_B[:, None, None, None], jnp.nan, o_BTNH)
 
     def stats_to_tokens(self, stats):
         BM, N, T = stats.shape

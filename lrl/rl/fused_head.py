@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from lrl.rl.logprobs import _chunk_logits, _layout, _unlayout
+from lrl.rl.logprobs import _chunk_grads, _chunk_stats, _layout, _unlayout
 
 
 def _pass(h_BTD, w_DV, targets_BT, aux, chunk, compute_entropy, token_loss):
@@ -33,34 +33,20 @@ def _pass(h_BTD, w_DV, targets_BT, aux, chunk, compute_entropy, token_loss):
     tgt_BCn = _layout(targets_BT, n, chunk)
     # padded positions get zero weight through the padded aux arrays (all zeros)
     aux_BCn = {k: _layout(x, n, chunk) for k, x in aux.items()}
-    vocab_V = jnp.arange(w_DV.shape[1], dtype=targets_BT.dtype)
     take = lambda x, k: jax.lax.dynamic_index_in_dim(x, k, 2, keepdims=False)  # noqa: E731
 
     def step(carry, k):
         loss, dw_DV = carry
         h_BCD = take(h_BCnD, k)
-        z_BCV = _chunk_logits(h_BCD, w_DV)
-        lse_BC = jax.nn.logsumexp(z_BCV, axis=-1)
-        onehot_BCV = vocab_V == take(tgt_BCn, k)[..., None]
-        logp_BC = jnp.sum(jnp.where(onehot_BCV, z_BCV, 0.0), axis=-1) - lse_BC
-        p_BCV = jnp.exp(z_BCV - lse_BC[..., None])
-        if compute_entropy:
-            ent_BC = lse_BC - jnp.sum(p_BCV * z_BCV, axis=-1)
-        else:
-            ent_BC = jnp.zeros_like(lse_BC)
+        z_BCV, lse_BC, onehot_BCV, logp_BC, p_BCV, ent_BC = _chunk_stats(
+            h_BCD, w_DV, take(tgt_BCn, k), compute_entropy)
         aux_BC = {key: take(x, k) for key, x in aux_BCn.items()}
         chunk_loss = lambda lp, en: jnp.sum(token_loss(lp, en, aux_BC))  # noqa: E731
         part, (glogp_BC, gent_BC) = jax.value_and_grad(chunk_loss, argnums=(0, 1))(logp_BC,
                                                                                     ent_BC)
-        # d logp / dz = onehot - p;  dH / dz_j = -p_j (log p_j + H), log p_j = z_j - lse
-        dz_BCV = glogp_BC[..., None] * (onehot_BCV.astype(jnp.float32) - p_BCV)
-        if compute_entropy:
-            dz_BCV -= gent_BC[..., None] * p_BCV * (z_BCV - lse_BC[..., None] + ent_BC[..., None])
-        dz_BCV = dz_BCV.astype(h_BCD.dtype)
-        dh_BCD = jnp.einsum("bcv,dv->bcd", dz_BCV, w_DV, preferred_element_type=jnp.float32)
-        dw_DV = dw_DV + jnp.einsum("bcd,bcv->dv", h_BCD, dz_BCV,
-                                   preferred_element_type=jnp.float32)
-        return (loss + part, dw_DV), (logp_BC, ent_BC, dh_BCD.astype(h_BTD.dtype))
+        dh_BCD, dw_k = _chunk_grads(h_BCD, w_DV, z_BCV, lse_BC, ent_BC, onehot_BCV, p_BCV,
+                                    glogp_BC, gent_BC, compute_entropy)
+        return (loss + part, dw_DV + dw_k), (logp_BC, ent_BC, dh_BCD.astype(h_BTD.dtype))
 
     init = (jnp.zeros((), jnp.float32), jnp.zeros(w_DV.shape, jnp.float32))
     (loss, dw_DV), (logp_nBC, ent_nBC, dh_nBCD) = jax.lax.scan(step, init, jnp.arange(n))

@@ -26,6 +26,38 @@ def _chunk_logits(h_BCD, w_DV):
     return jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
 
 
+def _chunk_stats(h_BCD, w_DV, tgt_BC, compute_entropy):
+    """One chunk's logits and what is read from them: (z, lse, target one-hot, logp, p, ent);
+    p (the softmax) only when the entropy needs it, else None."""
+    z_BCV = _chunk_logits(h_BCD, w_DV)
+    lse_BC = jax.nn.logsumexp(z_BCV, axis=-1)
+    # A compare against the vocabulary instead of a gather: it also works when V is sharded.
+    onehot_BCV = jnp.arange(w_DV.shape[1], dtype=tgt_BC.dtype) == tgt_BC[..., None]
+    logp_BC = jnp.sum(jnp.where(onehot_BCV, z_BCV, 0.0), axis=-1) - lse_BC
+    if not compute_entropy:
+        return z_BCV, lse_BC, onehot_BCV, logp_BC, None, jnp.zeros_like(lse_BC)
+    p_BCV = jnp.exp(z_BCV - lse_BC[..., None])
+    ent_BC = lse_BC - jnp.sum(p_BCV * z_BCV, axis=-1)
+    return z_BCV, lse_BC, onehot_BCV, logp_BC, p_BCV, ent_BC
+
+
+def _chunk_grads(h_BCD, w_DV, z_BCV, lse_BC, ent_BC, onehot_BCV, p_BCV, glogp_BC, gent_BC,
+                 compute_entropy):
+    """d(hidden) [B, C, D] and this chunk's share of d(w) [D, V], both float32, from the
+    cotangents of the chunk's log-probs and entropies."""
+    if p_BCV is None:
+        p_BCV = jnp.exp(z_BCV - lse_BC[..., None])
+    # d logp_target / dz = onehot(target) - p.
+    dz_BCV = glogp_BC[..., None] * (onehot_BCV.astype(jnp.float32) - p_BCV)
+    if compute_entropy:
+        # dH/dz_j = -p_j (log p_j + H), log p_j = z_j - lse.
+        dz_BCV -= gent_BC[..., None] * p_BCV * (z_BCV - lse_BC[..., None] + ent_BC[..., None])
+    dz_BCV = dz_BCV.astype(h_BCD.dtype)
+    dh_BCD = jnp.einsum("bcv,dv->bcd", dz_BCV, w_DV, preferred_element_type=jnp.float32)
+    dw_DV = jnp.einsum("bcd,bcv->dv", h_BCD, dz_BCV, preferred_element_type=jnp.float32)
+    return dh_BCD, dw_DV
+
+
 def _layout(x_BT, n, chunk):
     """[B, T, ...] -> [B, C, n, ...] after padding T to n·C (position c·n + k -> [c, k])."""
     b, t = x_BT.shape[:2]
@@ -47,20 +79,12 @@ def _forward(h_BTD, w_DV, targets_BT, chunk, compute_entropy):
     n = -(-t // chunk)
     h_BCnD = _layout(h_BTD, n, chunk)
     tgt_BCn = _layout(targets_BT, n, chunk)
-    vocab_V = jnp.arange(w_DV.shape[1], dtype=targets_BT.dtype)
 
     def step(_, k):
-        z_BCV = _chunk_logits(jax.lax.dynamic_index_in_dim(h_BCnD, k, 2, keepdims=False), w_DV)
-        tgt_BC = jax.lax.dynamic_index_in_dim(tgt_BCn, k, 2, keepdims=False)
-        lse_BC = jax.nn.logsumexp(z_BCV, axis=-1)
-        # A compare against the vocabulary instead of a gather: it also works when V is sharded.
-        z_tgt_BC = jnp.sum(jnp.where(vocab_V == tgt_BC[..., None], z_BCV, 0.0), axis=-1)
-        if compute_entropy:
-            p_BCV = jnp.exp(z_BCV - lse_BC[..., None])
-            ent_BC = lse_BC - jnp.sum(p_BCV * z_BCV, axis=-1)
-        else:
-            ent_BC = jnp.zeros_like(lse_BC)
-        return None, (z_tgt_BC - lse_BC, lse_BC, ent_BC)
+        _, lse_BC, _, logp_BC, _, ent_BC = _chunk_stats(
+            jax.lax.dynamic_index_in_dim(h_BCnD, k, 2, keepdims=False), w_DV,
+            jax.lax.dynamic_index_in_dim(tgt_BCn, k, 2, keepdims=False), compute_entropy)
+        return None, (logp_BC, lse_BC, ent_BC)
 
     _, (logp_nBC, lse_nBC, ent_nBC) = jax.lax.scan(step, None, jnp.arange(n))
     return logp_nBC, lse_nBC, ent_nBC
@@ -94,21 +118,11 @@ def _chunked_bwd(chunk, compute_entropy, res, g):
 
     def step(dw_DV, k):
         h_BCD = take(h_BCnD, k)
-        z_BCV = _chunk_logits(h_BCD, w_DV)
-        lse_BC, ent_BC = lse_nBC[k], ent_nBC[k]
-        p_BCV = jnp.exp(z_BCV - lse_BC[..., None])
-        # d logp_target / dz = onehot(target) - p.
-        onehot_BCV = (vocab_V == take(tgt_BCn, k)[..., None]).astype(jnp.float32)
-        dz_BCV = take(glogp_BCn, k)[..., None] * (onehot_BCV - p_BCV)
-        if compute_entropy:
-            # dH/dz_j = -p_j (log p_j + H), log p_j = z_j - lse.
-            dz_BCV -= take(gent_BCn, k)[..., None] * p_BCV * (
-                z_BCV - lse_BC[..., None] + ent_BC[..., None])
-        dz_BCV = dz_BCV.astype(h_BCD.dtype)
-        dh_BCD = jnp.einsum("bcv,dv->bcd", dz_BCV, w_DV, preferred_element_type=jnp.float32)
-        dw_DV = dw_DV + jnp.einsum("bcd,bcv->dv", h_BCD, dz_BCV,
-                                   preferred_element_type=jnp.float32)
-        return dw_DV, dh_BCD.astype(h_BTD.dtype)
+        onehot_BCV = vocab_V == take(tgt_BCn, k)[..., None]
+        dh_BCD, dw_k = _chunk_grads(h_BCD, w_DV, _chunk_logits(h_BCD, w_DV), lse_nBC[k],
+                                    ent_nBC[k], onehot_BCV, None, take(glogp_BCn, k),
+                                    take(gent_BCn, k), compute_entropy)
+        return dw_DV + dw_k, dh_BCD.astype(h_BTD.dtype)
 
     dw_DV, dh_nBCD = jax.lax.scan(step, jnp.zeros(w_DV.shape, jnp.float32), jnp.arange(n))
     return _unlayout(dh_nBCD, t), dw_DV.astype(w_DV.dtype), None

@@ -114,6 +114,30 @@ def _kl(logp_BT, ref_logp_BT, estimator: str):
     return jnp.exp(d_BT) - d_BT - 1.0
 
 
+def _check_terms(cfg: LossConfig, ref_logp, rollout_logp):
+    if cfg.tis_cap is not None and rollout_logp is None:
+        raise ValueError("loss: tis_cap is set but rollout_logp_BT was not given")
+    if cfg.kl_coef != 0.0 and ref_logp is None:
+        raise ValueError(f"loss: kl_coef={cfg.kl_coef} needs ref_logp_BT")
+    if cfg.aggregation == "seq_mean_token_sum_norm" and cfg.max_len is None:
+        raise ValueError("loss: aggregation seq_mean_token_sum_norm needs max_len")
+
+
+def _clipped_pg(log_ratio, adv, on, old_logp, rollout_logp, cfg: LossConfig):
+    """Per-token clipped policy-gradient term -> (term, ratio, TIS weight), elementwise."""
+    ratio = jnp.exp(jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    pg = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high))
+    if cfg.dual_clip is not None:
+        pg = jnp.where(adv < 0, jnp.minimum(pg, -adv * cfg.dual_clip), pg)
+    if cfg.tis_cap is None:
+        return pg, ratio, jnp.ones_like(ratio)
+    # Truncated importance sampling (verl's TIS): the rollout engine's numerics differ from
+    # the trainer's, so reweight by the (capped) trainer/rollout ratio.
+    tis = jnp.exp(jnp.clip(old_logp - rollout_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    tis = jax.lax.stop_gradient(jnp.minimum(jnp.where(on, tis, 1.0), cfg.tis_cap))
+    return pg * tis, ratio, tis
+
+
 def packed_policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, segment_ids_BT,
                        denoms: Denominators, cfg: LossConfig, *, ref_logp_BT=None,
                        rollout_logp_BT=None, entropy_BT=None):
@@ -129,21 +153,17 @@ def packed_policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, segment_ids_BT,
     for name, a in arrays.items():
         if a is not None and a.shape != logp_BT.shape:
             raise ValueError(f"loss: {name} has shape {a.shape}, expected {logp_BT.shape}")
-    if cfg.tis_cap is not None and rollout_logp_BT is None:
-        raise ValueError("loss: tis_cap is set but rollout_logp_BT was not given")
-    if cfg.kl_coef != 0.0 and ref_logp_BT is None:
-        raise ValueError(f"loss: kl_coef={cfg.kl_coef} needs ref_logp_BT")
+    _check_terms(cfg, ref_logp_BT, rollout_logp_BT)
     if cfg.entropy_coef != 0.0 and entropy_BT is None:
         raise ValueError(f"loss: entropy_coef={cfg.entropy_coef} needs entropy_BT")
-    if cfg.aggregation == "seq_mean_token_sum_norm" and cfg.max_len is None:
-        raise ValueError("loss: aggregation seq_mean_token_sum_norm needs max_len")
 
     m_BT = _float_mask(mask_BT, segment_ids_BT)
     on_BT = m_BT > 0
     logp_BT = logp_BT.astype(jnp.float32)
     adv_BT = adv_BT.astype(jnp.float32)
+    old_logp_BT = old_logp_BT.astype(jnp.float32)
     # Masked-out positions may hold anything (padding, -inf); keep them out of exp.
-    log_ratio_BT = jnp.where(on_BT, logp_BT - old_logp_BT.astype(jnp.float32), 0.0)
+    log_ratio_BT = jnp.where(on_BT, logp_BT - old_logp_BT, 0.0)
     if cfg.ratio_level == "sequence":
         # GSPO: the value is the sequence ratio exp(mean log-ratio); the gradient per token is
         # ratio · dlogp_t, so with seq_mean_token_mean it is exactly d(sequence ratio).
@@ -153,22 +173,9 @@ def packed_policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, segment_ids_BT,
         log_ratio_BT = logp_BT - jax.lax.stop_gradient(logp_BT) + jax.lax.stop_gradient(
             seq_lr[slots_BT])
         log_ratio_BT = jnp.where(on_BT, log_ratio_BT, 0.0)
-    ratio_BT = jnp.exp(jnp.clip(log_ratio_BT, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-
-    pg_BT = jnp.maximum(-adv_BT * ratio_BT,
-                        -adv_BT * jnp.clip(ratio_BT, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high))
+    pg_BT, ratio_BT, tis_BT = _clipped_pg(log_ratio_BT, adv_BT, on_BT, old_logp_BT,
+                                          rollout_logp_BT, cfg)
     neg_BT = adv_BT < 0
-    if cfg.dual_clip is not None:
-        pg_BT = jnp.where(neg_BT, jnp.minimum(pg_BT, -adv_BT * cfg.dual_clip), pg_BT)
-    if cfg.tis_cap is not None:
-        # Truncated importance sampling (verl's TIS): the rollout engine's numerics differ
-        # from the trainer's, so reweight by the (capped) trainer/rollout ratio.
-        tis_BT = jnp.exp(jnp.clip(old_logp_BT.astype(jnp.float32) - rollout_logp_BT,
-                                  -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-        tis_BT = jax.lax.stop_gradient(jnp.minimum(jnp.where(on_BT, tis_BT, 1.0), cfg.tis_cap))
-        pg_BT = pg_BT * tis_BT
-    else:
-        tis_BT = jnp.ones_like(ratio_BT)
 
     w_BT = token_weights(m_BT, segment_ids_BT, denoms, cfg.aggregation)
     pg_loss = jnp.sum(w_BT * jnp.where(on_BT, pg_BT, 0.0))
@@ -204,12 +211,7 @@ def token_loss_aux(mask_BT, segment_ids_BT, denoms: Denominators, cfg: LossConfi
     if cfg.ratio_level != "token":
         raise ValueError("loss: a per-token loss needs ratio_level='token' (GSPO's sequence "
                          "ratio couples the tokens of a sequence)")
-    if cfg.tis_cap is not None and rollout_logp_BT is None:
-        raise ValueError("loss: tis_cap is set but rollout_logp_BT was not given")
-    if cfg.kl_coef != 0.0 and ref_logp_BT is None:
-        raise ValueError(f"loss: kl_coef={cfg.kl_coef} needs ref_logp_BT")
-    if cfg.aggregation == "seq_mean_token_sum_norm" and cfg.max_len is None:
-        raise ValueError("loss: aggregation seq_mean_token_sum_norm needs max_len")
+    _check_terms(cfg, ref_logp_BT, rollout_logp_BT)
     m_BT = _float_mask(mask_BT, segment_ids_BT)
     w_BT = jnp.where(m_BT > 0, token_weights(m_BT, segment_ids_BT, denoms, cfg.aggregation), 0.0)
     aux = {"w": w_BT, "on": (m_BT > 0).astype(jnp.float32), "adv": adv_BT}
@@ -225,14 +227,8 @@ def token_loss(logp, ent, aux, *, cfg: LossConfig):
     from `token_loss_aux` (any shape, the same for every entry)."""
     on = aux["on"] > 0
     old = aux["old"] if "old" in aux else jax.lax.stop_gradient(logp)
-    ratio = jnp.exp(jnp.clip(jnp.where(on, logp - old, 0.0), -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-    adv = aux["adv"]
-    pg = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high))
-    if cfg.dual_clip is not None:
-        pg = jnp.where(adv < 0, jnp.minimum(pg, -adv * cfg.dual_clip), pg)
-    if cfg.tis_cap is not None:
-        tis = jnp.exp(jnp.clip(old - aux["rollout"], -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-        pg = pg * jax.lax.stop_gradient(jnp.minimum(jnp.where(on, tis, 1.0), cfg.tis_cap))
+    pg, _, _ = _clipped_pg(jnp.where(on, logp - old, 0.0), aux["adv"], on, old,
+                           aux.get("rollout"), cfg)
     term = jnp.where(on, pg, 0.0)
     if cfg.kl_coef != 0.0:
         term = term + cfg.kl_coef * jnp.where(on, _kl(logp, aux["ref"], cfg.kl_estimator), 0.0)

@@ -126,14 +126,11 @@ def paged_attention_pallas(q_BNH, k_pages, v_pages, table_BM, kv_len_B, layer_ba
 def decode_attention(q_BTNH, k_pages, v_pages, table_BM, kv_len_B, layer_base, *, impl: str,
                      pages_per_block: int, k_splits: int = 1, warps: int = 8, stages: int = 2):
     """One new token per row (T == 1) attending to its row's first `kv_len_B` tokens."""
-    if impl == "pallas":
+    if impl in ("pallas", "pallas_interpret"):
         return paged_attention_pallas(q_BTNH[:, 0], k_pages, v_pages, table_BM, kv_len_B,
                                       layer_base, pages_per_block=pages_per_block,
-                                      k_splits=k_splits, warps=warps, stages=stages)[:, None]
-    if impl == "pallas_interpret":
-        return paged_attention_pallas(q_BTNH[:, 0], k_pages, v_pages, table_BM, kv_len_B,
-                                      layer_base, pages_per_block=pages_per_block,
-                                      k_splits=k_splits, interpret=True)[:, None]
+                                      k_splits=k_splits, warps=warps, stages=stages,
+                                      interpret=impl == "pallas_interpret")[:, None]
     if impl == "xla":
         return paged_attention_xla(q_BTNH, (kv_len_B - 1)[:, None], k_pages, v_pages,
                                    table_BM, kv_len_B, layer_base, pages_per_block)
