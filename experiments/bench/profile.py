@@ -144,7 +144,7 @@ def summarize(log_dir: str, hlo_text: str = "", top: int = 25, module: str = "",
 
 # ----------------------------------------------------------------------------- workloads
 
-def _timed(fn, *args, repeats=3):
+def timed(fn, *args, repeats=3):
     import jax
     jax.block_until_ready(fn(*args))
     t0 = time.perf_counter()
@@ -193,14 +193,14 @@ def train(a, out_dir):
 
     # Ablations: the parts alone, each its own program.
     logp = jax.jit(lambda p, b: update.logprobs(p, b, model_cfg=cfg))
-    t_fwd = _timed(logp, state.params, batch)
+    t_fwd = timed(logp, state.params, batch)
     grads = jax.tree.map(jnp.zeros_like, state.params)
 
     @jax.jit
     def adam(st, g):
         upd, opt = tx.update(g, st.opt_state, st.params)
         return jax.tree.map(lambda p, u: p + u, st.params, upd), opt
-    t_adam = _timed(adam, state, grads)
+    t_adam = timed(adam, state, grads)
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     flops = (6 * n_params + 6 * cfg.n_layers * L * cfg.d_model) * L
     rows = [("whole update step", step_s, flops / step_s / 1e12),
@@ -253,7 +253,7 @@ def main():
     ap.add_argument("--steps-per-call", type=int, default=32)
     ap.add_argument("--layer-unroll", type=int, default=1)
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--decode-block-pages", type=int, default=8)
+    ap.add_argument("--decode-block-pages", type=int, default=4)
     ap.add_argument("--k-splits", type=int, default=None)
     ap.add_argument("--steps", type=int, default=2, help="traced steps (train)")
     ap.add_argument("--top", type=int, default=25)
