@@ -88,6 +88,10 @@ def test_paged_attention_matches_dense():
     got = pa.decode_attention(q, kp, vp, table, kv_len, P, impl="pallas_interpret",
                               pages_per_block=2, k_splits=1, warps=4, stages=3)
     np.testing.assert_allclose(got, want, atol=1e-5)
+    for k_splits in (1, 2, 4):   # our kernel: unpadded q, in-kernel normalisation, splits
+        got = pa.decode_attention(q, kp, vp, table, kv_len, P, impl="pallas_gqa_interpret",
+                                  pages_per_block=2, k_splits=k_splits)
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"k_splits={k_splits}")
     # Several queries per row (a prefill chunk at positions 6..11 over 12 keys), layer 0.
     q = jnp.asarray(rng.randn(2, 6, 4, 16), jnp.float32)
     q_pos = np.stack([np.arange(6, 12)] * 2).astype(np.int32)
@@ -148,9 +152,97 @@ def test_sampling_filters_and_logps(top_k, top_p):
         sampling.SamplingParams(temperature=1.0, top_p=0.0)
 
 
+@pytest.mark.parametrize("block", [8, 37, 0])
+def test_inverse_cdf_draw_follows_the_softmax(block):
+    """20,000 draws from one row of 37 logits (blocks of 8 with padding, one block, and the
+    automatic size) land on each token as often as its softmax probability says (within 5
+    standard deviations), never on a -inf token, and report the token's log-softmax."""
+    rng = np.random.RandomState(3)
+    x = rng.randn(37).astype(np.float32) * 1.5
+    x[[4, 20, 36]] = -np.inf
+    n = 20000
+    keys = sampling.sample_keys(jax.random.key(5), jnp.arange(n), jnp.zeros(n, jnp.int32))
+    tok, logp = sampling.draw(jnp.asarray(np.tile(x, (n, 1))), keys, block=block)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    freq = np.bincount(np.asarray(tok), minlength=37) / n
+    assert freq[[4, 20, 36]].sum() == 0
+    np.testing.assert_array_less(np.abs(freq - p), 5 * np.sqrt(p * (1 - p) / n) + 1e-12)
+    np.testing.assert_allclose(logp, np.log(p[np.asarray(tok)]), atol=1e-5)
+
+
+def test_inverse_cdf_block_sizes():
+    assert sampling._block_size(151936) == 128          # Qwen2.5: 1,187 blocks, no padding
+    assert sampling._block_size(128256) == 1002         # Llama 3
+    assert sampling._block_size(50) == 50               # small vocabularies: one block
+    assert sampling._block_size(100003) == 1024         # a prime: padded blocks
+
+
 @pytest.mark.parametrize("kw", [dict(pallas_warps=3), dict(pallas_warps=0),
                                 dict(pallas_stages=0)])
 def test_engine_config_rejects_bad_pallas_launch_settings(kw):
     from lrl.rollout.steps import EngineConfig
     with pytest.raises(ValueError, match="pallas_warps must be a power of two"):
         EngineConfig(**kw)
+
+
+@pytest.mark.parametrize("heads,kv_heads,kv_per_program", [
+    (12, 2, 1), (12, 2, 0), (8, 8, 0), (8, 8, 2), (32, 1, 0)])
+def test_gqa_kernel_in_bf16_matches_xla(heads, kv_heads, kv_per_program):
+    """Our decode kernel in bf16 (the rollout's dtype) against the XLA path: GQA groups of 6
+    (one or both kv heads per program), 1 (multi-head: 8 or 2 kv heads per program) and 32
+    (more than one 16-row tile), a layer base, rows that end mid-page, one that is idle, and
+    blocks of 2 pages of 8 tokens."""
+    from lrl.rollout.paged_kernel import paged_decode_attention
+    rng = np.random.RandomState(1)
+    B, H, ps, M, L = 4, 32, 8, 8, 2
+    P = B * M + 1
+    pool = lambda: jnp.asarray(rng.randn(kv_heads, L * P, ps, H), jnp.bfloat16)  # noqa: E731
+    kp, vp = pool(), pool()
+    table = jnp.asarray((1 + rng.permutation(B * M)).reshape(B, M), jnp.int32)
+    kv_len = jnp.asarray([1, 37, 0, 64], jnp.int32)
+    q = jnp.asarray(rng.randn(B, 1, heads, H), jnp.bfloat16)
+    want = pa.decode_attention(q, kp, vp, table, kv_len, P, impl="xla", pages_per_block=2)
+    got = paged_decode_attention(q[:, 0], kp, vp, table, kv_len, P, pages_per_block=2,
+                                 kv_per_program=kv_per_program, interpret=True)
+    assert got.dtype == jnp.bfloat16 and got.shape == (B, heads, H)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want[:, 0], np.float32),
+                               atol=2e-2)
+    assert not np.asarray(got[2], np.float32).any()      # the idle row
+
+
+def test_gqa_kernel_lowers_to_triton():
+    """The kernel's Pallas-to-Triton lowering runs on a CPU host too (jax lowers for CUDA
+    without a GPU), so a construct Triton cannot take fails here, not on the accelerator."""
+    from lrl.rollout.paged_kernel import paged_decode_attention
+    S = jax.ShapeDtypeStruct
+    for k_splits in (1, 4):
+        f = jax.jit(lambda q, k, v, t, n: paged_decode_attention(
+            q, k, v, t, n, 3 * 50, pages_per_block=2, k_splits=k_splits))
+        lowered = f.trace(S((8, 12, 128), jnp.bfloat16), S((2, 200, 16, 128), jnp.bfloat16),
+                          S((2, 200, 16, 128), jnp.bfloat16), S((8, 8), jnp.int32),
+                          S((8,), jnp.int32)).lower(lowering_platforms=("cuda",))
+        assert "lrl_paged_decode" in lowered.as_text()
+
+
+def test_gqa_kernel_rejects_bad_shapes():
+    from lrl.rollout.paged_kernel import paged_decode_attention
+    q = jnp.zeros((2, 4, 16), jnp.bfloat16)
+    kp = jnp.zeros((2, 9, 8, 16), jnp.bfloat16)
+    table, n = jnp.zeros((2, 4), jnp.int32), jnp.ones((2,), jnp.int32)
+    with pytest.raises(ValueError, match="multiple of k_splits"):
+        paged_decode_attention(q, kp, kp, table, n, 0, pages_per_block=2, k_splits=4)
+    with pytest.raises(ValueError, match="16 tokens"):   # checked for the GPU, not interpret
+        paged_decode_attention(q, kp, kp, table, n, 0, pages_per_block=1)
+    paged_decode_attention(q, kp, kp, table, n, 0, pages_per_block=1, interpret=True)
+    with pytest.raises(ValueError, match="does not divide"):
+        paged_decode_attention(q, kp, kp, table, n, 0, pages_per_block=2, kv_per_program=3)
+    with pytest.raises(ValueError, match="does not fit"):
+        paged_decode_attention(q[:, :3], kp, kp, table, n, 0, pages_per_block=2)
+
+
+def test_kv_heads_per_program_fill_one_tile():
+    from lrl.rollout.paged_kernel import kv_heads_per_program
+    got = {shape: kv_heads_per_program(*shape) for shape in
+           [(12, 2), (28, 4), (8, 8), (32, 8), (32, 1), (40, 8)]}
+    assert got == {(12, 2): 2, (28, 4): 2, (8, 8): 8, (32, 8): 4, (32, 1): 1, (40, 8): 2}

@@ -304,7 +304,7 @@ class Engine:
 
         If the Pallas kernel fails to lower (an unsupported shape or jax version), the engine
         warns once and continues with the XLA path; `self.fallback` says why."""
-        if self.ecfg.attention_impl != "pallas" or self._pallas_ok:
+        if self.ecfg.attention_impl not in pa.PALLAS or self._pallas_ok:
             return decode_steps(self.cfg, self.ecfg, params, decode_state, rng,
                                 num_steps=num_steps)
         try:   # lowering errors surface before dispatch, so the donated state is intact

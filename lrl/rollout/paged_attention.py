@@ -5,9 +5,10 @@ p lives at index l * P + p. Folding the layer into the page index lets the scann
 hand the whole pool to a kernel with a per-layer offset instead of slicing out (and so
 copying) one layer's pages at every step.
 
-Two implementations, numerically the same attention:
-- `paged_attention_pallas`: the Pallas GPU paged-attention kernel of jax (decode only, one
-  query per row);
+Three implementations, numerically the same attention:
+- `pallas_gqa`: our Pallas GPU kernel (`lrl.rollout.paged_kernel`; decode only, one query per
+  row): q unpadded, the output normalised in the kernel;
+- `pallas`: the Pallas GPU paged-attention kernel of jax (decode only, one query per row);
 - `paged_attention_xla`: a loop over blocks of pages with an online softmax, any number of
   queries per row (decode and chunked prefill), for CPU, TPU or sharded runs. It gathers one
   block of pages at a time, never the whole cache.
@@ -23,7 +24,10 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("pallas", "xla")
+from lrl.rollout import paged_kernel
+
+IMPLS = ("pallas_gqa", "pallas", "xla")
+PALLAS = ("pallas_gqa", "pallas")   # GPU kernels; each has an "_interpret" twin for CPU tests
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,11 +43,12 @@ def _pallas_module():
 
 
 def default_impl(mesh=None) -> str:
-    """Pallas on a single GPU; the XLA loop elsewhere (CPU, TPU, or a multi-device mesh,
+    """Our Pallas kernel on a single GPU (on the H200 it read the KV at 3.2 TB/s where jax's
+    reached 2.8: BENCHMARKS.md); the XLA loop elsewhere (CPU, TPU, or a multi-device mesh,
     where the custom call would need a shard_map of its own)."""
     single = mesh is None or mesh.size == 1
-    if jax.default_backend() == "gpu" and single and _pallas_module() is not None:
-        return "pallas"
+    if jax.default_backend() == "gpu" and single:
+        return "pallas_gqa"
     return "xla"
 
 
@@ -124,8 +129,16 @@ def paged_attention_pallas(q_BNH, k_pages, v_pages, table_BM, kv_len_B, layer_ba
 
 
 def decode_attention(q_BTNH, k_pages, v_pages, table_BM, kv_len_B, layer_base, *, impl: str,
-                     pages_per_block: int, k_splits: int = 1, warps: int = 8, stages: int = 2):
-    """One new token per row (T == 1) attending to its row's first `kv_len_B` tokens."""
+                     pages_per_block: int, k_splits: int = 1, warps: int = 4, stages: int = 1,
+                     kv_per_program: int = 1):
+    """One new token per row (T == 1) attending to its row's first `kv_len_B` tokens.
+    `kv_per_program` is for pallas_gqa only (0: as many kv heads as fill one q tile)."""
+    if impl in ("pallas_gqa", "pallas_gqa_interpret"):
+        out = paged_kernel.paged_decode_attention(
+            q_BTNH[:, 0], k_pages, v_pages, table_BM, kv_len_B, layer_base,
+            pages_per_block=pages_per_block, k_splits=k_splits, warps=warps, stages=stages,
+            kv_per_program=kv_per_program, interpret=impl.endswith("_interpret"))
+        return out[:, None]
     if impl in ("pallas", "pallas_interpret"):
         return paged_attention_pallas(q_BTNH[:, 0], k_pages, v_pages, table_BM, kv_len_B,
                                       layer_base, pages_per_block=pages_per_block,

@@ -61,15 +61,48 @@ def filter_logits(logits_BV, sp: SamplingParams):
     return x
 
 
+def _block_size(V: int) -> int:
+    """Tokens per block of the two-level inverse CDF: the largest divisor of V up to 1024
+    (151,936 = 1,187 blocks of 128), or 1024 with padding when V has no divisor from 64 up."""
+    best = max(d for d in range(1, min(V, 1024) + 1) if V % d == 0)
+    return best if best >= 64 or best == V else 1024
+
+
+def draw(x_BV, keys_B, block: int = 0):
+    """-> (tokens int32 [B], log-probs float32 [B]): one draw per row from softmax(x), by
+    inverse CDF over two levels: one uniform per row picks a block of tokens by the blocks'
+    cumulative mass, then a token inside it. It reads the [B, V] logits twice (max, then
+    per-block sums of exp) where jax.random.categorical draws V Gumbel variables a row: at
+    256 rows of 151,936 that was 0.27 ms of a 4.3 ms decode step on the H200.
+    Tokens at -inf (filtered out) have no mass and are never drawn."""
+    B, V = x_BV.shape
+    block = block or _block_size(V)
+    nb = -(-V // block)
+    x = x_BV if nb * block == V else jnp.pad(x_BV, ((0, 0), (0, nb * block - V)),
+                                             constant_values=-jnp.inf)
+    m_B1 = x.max(axis=-1, keepdims=True)
+    mass_BX = jnp.exp(x - m_B1).reshape(B, nb, block).sum(axis=-1)
+    cum_BX = jnp.cumsum(mass_BX, axis=-1)
+    u_B1 = jax.vmap(jax.random.uniform)(keys_B)[:, None] * cum_BX[:, -1:]
+    # Rounding can put u at the very top; never step past the last block or token with mass.
+    last_block_B = nb - 1 - jnp.argmax(jnp.flip(mass_BX > 0, axis=-1), axis=-1)
+    j_B = jnp.minimum(jnp.sum(cum_BX <= u_B1, axis=-1), last_block_B)
+    before_B1 = jnp.take_along_axis(cum_BX - mass_BX, j_B[:, None], axis=-1)
+    xb_BK = jnp.take_along_axis(x.reshape(B, nb, block), j_B[:, None, None], axis=1)[:, 0]
+    e_BK = jnp.exp(xb_BK - m_B1)
+    last_B = block - 1 - jnp.argmax(jnp.flip(e_BK > 0, axis=-1), axis=-1)
+    i_B = jnp.minimum(jnp.sum(before_B1 + jnp.cumsum(e_BK, axis=-1) <= u_B1, axis=-1), last_B)
+    tokens_B = (j_B * block + i_B).astype(jnp.int32)
+    lse_B = m_B1[:, 0] + jnp.log(cum_BX[:, -1])
+    logp_B = jnp.take_along_axis(xb_BK, i_B[:, None], axis=-1)[:, 0] - lse_B
+    return tokens_B, logp_B
+
+
 def sample(logits_BV, keys_B, sp: SamplingParams):
     """-> (tokens int32 [B], log-probs float32 [B]) of one draw per row."""
     logits_BV = logits_BV.astype(jnp.float32)
-    if sp.greedy:
-        tokens_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-        logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
-    else:
-        x = filter_logits(logits_BV, sp)
-        tokens_B = jax.vmap(jax.random.categorical)(keys_B, x).astype(jnp.int32)
-        logp_BV = jax.nn.log_softmax(x, axis=-1)
-    logp_B = jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
-    return tokens_B, logp_B
+    if not sp.greedy:
+        return draw(filter_logits(logits_BV, sp), keys_B)
+    tokens_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+    return tokens_B, jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
