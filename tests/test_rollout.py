@@ -238,3 +238,46 @@ def test_decode_layout_one_array_per_layer_without_fsdp(tiny):
         for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(want)):
             assert a.dtype == jax.numpy.bfloat16
             np.testing.assert_array_equal(np.asarray(a, np.float32), as_bf16(b))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_decode_layout_joins_qkv_without_tensor_parallelism(tiny, arch):
+    """Off a tensor-parallel mesh the decode copy holds one [D, N + 2K, H] qkv projection
+    (q, k, v heads in that order) whose q, k, v equal the training Block's (Qwen2: biases;
+    Qwen3: qk-norm; the greedy tests against transformers run this path end to end)."""
+    from lrl.models.decoder import Block
+    from lrl.rollout.steps import _qkv_fused
+    from lrl.rollout.weights import decode_params
+    _, cfg, params, path = tiny(arch)
+    got = decode_params(cfg, params)
+    layer = got["layers"][1]
+    assert "q_proj" not in layer and "gate_proj" not in layer
+    want = np.concatenate([np.asarray(params["layers"][n]["kernel"][1])
+                           for n in ("q_proj", "k_proj", "v_proj")], axis=-2)
+    np.testing.assert_array_equal(np.asarray(layer["qkv"]["kernel"]), want)
+    x = jax.random.normal(jax.random.key(0), (2, 5, cfg.d_model))
+    pos = jax.numpy.arange(5)[None].repeat(2, 0) + 7
+    train_layer = jax.tree.map(lambda a: a[1], params["layers"])
+    ref = Block(cfg).apply({"params": train_layer}, x, pos, method=Block.qkv)
+    out = Block(cfg).apply({"params": layer}, x, pos, layer["qkv"], method=_qkv_fused)
+    for a, b in zip(out, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_per_program", [1, 0])
+def test_generate_with_the_gqa_kernel_equals_xla(tiny, kv_per_program):
+    """Whole rollouts through our decode kernel (the Pallas interpreter on CPU), one or both
+    kv heads per program, give the XLA path's tokens and log-probs."""
+    _, cfg, params, _ = tiny("qwen2")
+    prompts = _prompts(cfg, [5, 13, 9])
+    kw = dict(max_new_tokens=6, num_samples=2, temperature=1.0, seed=4, page_size=4,
+              decode_block_pages=2, pallas_k_splits=1)
+    want = rollout.generate(cfg, params, prompts, attention_impl="xla", **kw)
+    stats = {}
+    got = rollout.generate(cfg, params, prompts, attention_impl="pallas_gqa_interpret",
+                           pallas_kv_per_program=kv_per_program, stats=stats, **kw)
+    assert stats["attention_impl"] == "pallas_gqa_interpret" and not stats["attention_fallback"]
+    for a, b in zip(want, got):
+        for (ta, la), (tb, lb) in zip(a, b):
+            np.testing.assert_array_equal(ta, tb)
+            np.testing.assert_allclose(la, lb, atol=1e-4)

@@ -69,6 +69,14 @@ def run_peer(path: str, specs: list[str]) -> dict:
     return out
 
 
+def kernel_kwargs(a) -> dict:
+    """The decode attention settings given on the command line; the rest stay generate's."""
+    given = dict(attention_impl=a.attention, decode_block_pages=a.decode_block_pages,
+                 pallas_k_splits=a.k_splits, pallas_warps=a.pallas_warps,
+                 pallas_stages=a.pallas_stages, pallas_kv_per_program=a.kv_per_program)
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def timed_generate(cfg, params, prompts, G, N, common, stats):
     from lrl import rollout
     t0 = time.perf_counter()
@@ -85,9 +93,7 @@ def bench_case(cfg, params, spec, a, wbytes):
     common = dict(temperature=1.0, seed=0, page_size=a.page_size, max_slots=P,
                   pool_tokens=P * (T + N + 2 * a.page_size), prefill_chunk=a.prefill_chunk,
                   steps_per_call=a.steps_per_call, layer_unroll=a.layer_unroll,
-                  attention_impl=a.attention, decode_block_pages=a.decode_block_pages,
-                  pallas_k_splits=a.k_splits, pallas_warps=a.pallas_warps,
-                  pallas_stages=a.pallas_stages)
+                  **kernel_kwargs(a))
     warm = {}
     t_compile = timed_generate(cfg, params, prompts[:min(P, 8)], 1, N, common, warm)
     stats = {}
@@ -112,10 +118,7 @@ def bench_shared(cfg, params, spec, a):
     common = dict(temperature=1.0, seed=0, page_size=a.page_size, max_slots=P * G,
                   pool_tokens=P * T + P * G * (N + 2 * a.page_size),
                   prefill_chunk=a.prefill_chunk, steps_per_call=a.steps_per_call,
-                  layer_unroll=a.layer_unroll, attention_impl=a.attention,
-                  decode_block_pages=a.decode_block_pages,
-                  pallas_k_splits=a.k_splits, pallas_warps=a.pallas_warps,
-                  pallas_stages=a.pallas_stages)
+                  layer_unroll=a.layer_unroll, **kernel_kwargs(a))
     timed_generate(cfg, params, prompts[:1], G, N, common, {})        # compile
     stats = {}
     total = timed_generate(cfg, params, prompts, G, N, common, stats)
@@ -150,13 +153,19 @@ def main():
     ap.add_argument("--prefill-chunk", type=int, default=None)
     ap.add_argument("--steps-per-call", type=int, default=None)
     ap.add_argument("--layer-unroll", type=int, default=1, help="unroll of the layer scan")
-    ap.add_argument("--decode-block-pages", type=int, default=8,
-                    help="pages per compute block of the decode attention kernel")
+    ap.add_argument("--decode-block-pages", type=int, default=None,
+                    help="pages per compute block of the decode attention kernel (default: "
+                         "generate's)")
     ap.add_argument("--k-splits", type=int, default=None,
                     help="kv splits of the Pallas decode kernel (default: from the slots)")
-    ap.add_argument("--pallas-warps", type=int, default=8, help="Triton num_warps")
-    ap.add_argument("--pallas-stages", type=int, default=2, help="Triton num_stages")
-    ap.add_argument("--attention", default=None, help="decode attention: pallas | xla")
+    ap.add_argument("--pallas-warps", type=int, default=None,
+                    help="Triton num_warps (default: generate's)")
+    ap.add_argument("--pallas-stages", type=int, default=None,
+                    help="Triton num_stages (default: generate's)")
+    ap.add_argument("--kv-per-program", type=int, default=None,
+                    help="pallas_gqa: kv heads per program (0: fill one q tile)")
+    ap.add_argument("--attention", default=None,
+                    help="decode attention: pallas_gqa | pallas | xla (default: generate's)")
     a = ap.parse_args()
     cases = (a.cases if a.cases is not None else
              "4x16x8,8x16x8,2x64x8" if a.smoke else "64x512x256,256x512x256,16x8192x256")

@@ -57,11 +57,14 @@ class Block(nn.Module):
     def qkv(self, x_BTD, positions_BT):
         """Normalised input -> rotated q [B,T,N,H], k and v [B,T,K,H]."""
         h = self.input_norm(x_BTD)
-        q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        return self.rotate(self.q_proj(h), self.k_proj(h), self.v_proj(h), positions_BT)
+
+    def rotate(self, q_BTNH, k_BTKH, v_BTKH, positions_BT):
+        """Projected q, k, v -> normalised (Qwen3) and rotated q and k, and v."""
         if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         cos, sin = rope_angles(self.cfg, positions_BT)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return apply_rope(q_BTNH, cos, sin), apply_rope(k_BTKH, cos, sin), v_BTKH
 
     def finish(self, x_BTD, attn_BTNH):
         """Output projection, residual, then the SwiGLU MLP and its residual."""

@@ -75,9 +75,10 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
              max_slots: Optional[int] = None, pool_tokens: Optional[int] = None,
              pool_fraction: Optional[float] = None, prefill_chunk: int = 4096,
              steps_per_call: int = 16, attention_impl: Optional[str] = None,
-             decode_block_pages: int = 8, prefill_block_pages: Optional[int] = None,
-             pallas_k_splits: Optional[int] = None, pallas_warps: int = 8,
-             pallas_stages: int = 2, layer_unroll: int = 1, mesh=None, stats: Optional[dict] = None,
+             decode_block_pages: int = 4, prefill_block_pages: Optional[int] = None,
+             pallas_k_splits: Optional[int] = None, pallas_warps: int = 4,
+             pallas_stages: int = 1, pallas_kv_per_program: int = 1, layer_unroll: int = 1,
+             mesh=None, stats: Optional[dict] = None,
              prompt_embeds: Optional[Sequence] = None,
              prompt_positions: Optional[Sequence] = None,
              prefill_fn: Optional[Callable] = None):
@@ -89,7 +90,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     peak_pages, pages_allocated, pages_unshared, ...) and blocks on the prefill to time it.
     `pallas_k_splits` (None: from the slot count) splits each row's pages over that many
     programs of the GPU attention kernel, so a few long rows still fill the GPU;
-    `pallas_warps` / `pallas_stages` are that kernel's Triton num_warps and num_stages.
+    `pallas_warps` / `pallas_stages` are that kernel's Triton num_warps and num_stages;
+    `pallas_kv_per_program`, for attention_impl="pallas_gqa", the kv heads one program takes.
     `prefill_fn(engine, params, state, prefixes) -> state` replaces `engine.run_prefill`, e.g.
     `lrl.rollout.sp_prefill.make_prefill(mesh)` for long prompts prefilled over `seq`.
     """
@@ -122,7 +124,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         attention_impl=attention_impl, decode_block_pages=decode_block_pages,
         prefill_block_pages=prefill_block_pages, layer_unroll=layer_unroll,
         pallas_k_splits=pallas_k_splits or _k_splits(S, cfg.n_kv_heads),
-        pallas_warps=pallas_warps, pallas_stages=pallas_stages)
+        pallas_warps=pallas_warps, pallas_stages=pallas_stages,
+        pallas_kv_per_program=pallas_kv_per_program)
     engine = Engine(cfg, ecfg, mesh)
     for i, p in enumerate(prompts):
         engine.check_fits(len(p), max_new_tokens, what=f"prompt {i}")

@@ -34,12 +34,18 @@ class EngineConfig:
     min_prefill_bucket: int = 16     # shortest prefill call (power of two)
     eos_ids: tuple[int, ...] = ()    # tokens that end a sample (kept in its output)
     sampling: SamplingParams = SamplingParams()
-    attention_impl: Optional[str] = None  # None: Pallas on one GPU, else XLA
-    decode_block_pages: int = 8      # pages per compute block of decode attention
+    attention_impl: Optional[str] = None  # None: pallas_gqa on one GPU, else XLA
+    # Decode kernel launch, measured on the H200 at 256 slots x 640 tokens (Qwen2.5-1.5B
+    # shapes): a layer's attention took 52.2 µs in our kernel with 4 pages a block, 4 warps,
+    # 1 stage and one kv head a program; jax's kernel took 83.4 µs at its defaults (8 pages,
+    # 8 warps, 2 stages) and 59.8 µs at its best. Software pipelining hurts: one stage holds
+    # less shared memory, so more programs share an SM.
+    decode_block_pages: int = 4      # pages per compute block of decode attention
     prefill_block_pages: int = 64    # pages per block when a prefill chunk reads the pages
     pallas_k_splits: int = 4         # splits of the kv axis in the Pallas kernel
-    pallas_warps: int = 8            # Triton warps per program of the Pallas kernel
-    pallas_stages: int = 2           # Triton software-pipelining stages of its page loop
+    pallas_warps: int = 4            # Triton warps per program of the Pallas kernel
+    pallas_stages: int = 1           # Triton software-pipelining stages of its page loop
+    pallas_kv_per_program: int = 1   # pallas_gqa: kv heads per program (0: fill one q tile)
     layer_unroll: int = 1            # unroll of the layer scan (fewer loop trips per step)
 
     def __post_init__(self):
@@ -57,7 +63,10 @@ class EngineConfig:
                 or self.pallas_stages < 1:
             raise ValueError(f"pallas_warps must be a power of two and pallas_stages >= 1: "
                              f"{self.pallas_warps}, {self.pallas_stages}")
-        if self.attention_impl not in (None, *pa.IMPLS, "pallas_interpret"):
+        if self.pallas_kv_per_program < 0:
+            raise ValueError(f"pallas_kv_per_program must be >= 0 (0: automatic), got "
+                             f"{self.pallas_kv_per_program}")
+        if self.attention_impl not in (None, *pa.IMPLS, *(f"{k}_interpret" for k in pa.PALLAS)):
             raise ValueError(f"attention_impl={self.attention_impl!r}; choose None or {pa.IMPLS}")
 
     @property
@@ -106,7 +115,11 @@ def run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT,
     def body(carry, xs):
         x, kp, vp = carry
         layer_p, layer = xs
-        q, k, v = block.apply({"params": layer_p}, x, pos_BT, method=Block.qkv)
+        if "qkv" in layer_p:
+            q, k, v = block.apply({"params": layer_p}, x, pos_BT, layer_p["qkv"],
+                                  method=_qkv_fused)
+        else:
+            q, k, v = block.apply({"params": layer_p}, x, pos_BT, method=Block.qkv)
         base = layer * P
         kp, vp = pa.write_kv(kp, vp, k, v, page_BT + base, offset_BT)
         if pool_sharding is not None:
@@ -130,6 +143,16 @@ def run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT,
     return x, k_pages, v_pages
 
 
+def _qkv_fused(block: Block, x_BTD, pos_BT, qkv):
+    """Block.qkv with the decode layout's one [D, N + 2K, H] projection weight."""
+    N, K = block.cfg.n_heads, block.cfg.n_kv_heads
+    h = block.input_norm(x_BTD)
+    y = jnp.einsum("btd,dnh->btnh", h, qkv["kernel"].astype(h.dtype))
+    if "bias" in qkv:
+        y = y + qkv["bias"].astype(h.dtype)
+    return block.rotate(y[:, :, :N], y[:, :, N:N + K], y[:, :, N + K:], pos_BT)
+
+
 def _finish_fused(block: Block, x_BTD, attn_BTNH, gate_up):
     """Block.finish with the decode layout's one [D, 2, F] gate-and-up weight."""
     x = x_BTD + block.o_proj(attn_BTNH)
@@ -140,8 +163,14 @@ def _finish_fused(block: Block, x_BTD, attn_BTNH, gate_up):
     return x + block.down_proj(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1])
 
 
+# cuBLAS for every matmul of prefill and decode: XLA's Triton gemm fusions (a matmul fused with
+# its bias, or joined with its neighbours) were slower at decode's 256-row matmuls. Measured on
+# the H200 at 256 slots: 4.40 ms a decode step without them, 4.71 with.
+_GEMM_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "ecfg", "first"),
-                   donate_argnames=("k_pages", "v_pages"))
+                   donate_argnames=("k_pages", "v_pages"), compiler_options=_GEMM_OPTIONS)
 def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_valid_B, table_BM,
                   first: bool, embeds_BCD=None, rope_pos_3BC=None):
     """Writes the KV of tokens [start, start + n_valid) of each row into its pages. `first`:
@@ -179,7 +208,8 @@ def _decode_step(cfg, ecfg, params, state: DecodeState, rng):
         return pa.decode_attention(q, kp, vp, state.page_table, kv_len_B, base,
                                    impl=ecfg.attention_impl, pages_per_block=ecfg.decode_block_pages,
                                    k_splits=ecfg.pallas_k_splits, warps=ecfg.pallas_warps,
-                                   stages=ecfg.pallas_stages)
+                                   stages=ecfg.pallas_stages,
+                                   kv_per_program=ecfg.pallas_kv_per_program)
 
     rope_B1 = pos_B1 + state.rope_delta[:, None]   # text tokens: one position for t, h, w
     x, kp, vp = run_layers(cfg, params, _embed(cfg, params, state.tokens[:, None]), rope_B1,
@@ -201,7 +231,7 @@ def _decode_step(cfg, ecfg, params, state: DecodeState, rng):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ecfg", "num_steps"),
-                   donate_argnames=("state",))
+                   donate_argnames=("state",), compiler_options=_GEMM_OPTIONS)
 def decode_steps(cfg, ecfg, params, state: DecodeState, rng, num_steps: int):
     """Up to `num_steps` decode steps; stops early once no slot is live."""
     S = state.tokens.shape[0]

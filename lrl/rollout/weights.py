@@ -11,6 +11,9 @@ the training layout cost bandwidth there, and this one copy per `generate` call 
   shardings are dropped (each device holds what its `tensor` shard needs), one gather per
   rollout instead of one per token.
 - gate_proj and up_proj are stacked into one [D, 2, F] weight (`gate_up`), one matmul.
+- without tensor parallelism, q_proj, k_proj and v_proj are joined into one [D, N + 2K, H]
+  weight (`qkv`), one matmul, for the reason gate and up are stacked. With `tensor` sharding
+  the heads of the three are sharded separately, so they stay apart.
 The copy costs one read of the weights and as many bytes of memory in the compute dtype.
 
 L layers.
@@ -48,10 +51,30 @@ def _fuse_gate_up(layer, stack=None):
     return out
 
 
-def _unstack(cfg: ModelConfig, params):
+def _fuse_qkv(layer, join=None):
+    """q_proj, k_proj and v_proj as one projection, kernel [D, N + 2K, H] (bias [N + 2K, H]).
+    `join` joins the three leaves (arrays, or logical-axes tuples)."""
+    if join is None:
+        join = lambda q, k, v: jnp.concatenate([q, k, v], axis=-2)  # noqa: E731
+    names = ("q_proj", "k_proj", "v_proj")
+    out = {k: v for k, v in layer.items() if k not in names}
+    out["qkv"] = {k: join(*(layer[n][k] for n in names)) for k in layer["q_proj"]}
+    return out
+
+
+def _fuses_qkv(mesh) -> bool:
+    return mesh is None or mesh.shape.get("tensor", 1) == 1
+
+
+def _fuse(layer, mesh, stack=None, join=None):
+    layer = _fuse_gate_up(layer, stack)
+    return _fuse_qkv(layer, join) if _fuses_qkv(mesh) else layer
+
+
+def _unstack(cfg: ModelConfig, params, mesh):
     cast = lambda a: a.astype(cfg.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
     out = {k: jax.tree.map(cast, v) for k, v in params.items() if k != "layers"}
-    out["layers"] = tuple(_fuse_gate_up(jax.tree.map(lambda a: cast(a[i]), params["layers"]))
+    out["layers"] = tuple(_fuse(jax.tree.map(lambda a: cast(a[i]), params["layers"]), mesh)
                           for i in range(cfg.n_layers))
     return out
 
@@ -66,10 +89,13 @@ def _shardings(cfg: ModelConfig, params, mesh):
                                                                   DECODE_RULES))
     out = {k: jax.tree.map(lambda a, ax: spec(a.shape, ax), params[k], axes[k], is_leaf=is_axes)
            for k in params if k != "layers"}
-    shapes = _fuse_gate_up(jax.tree.map(lambda a: a.shape[1:], params["layers"]),
-                           stack=lambda g, u: (*g[:-1], 2, g[-1]))
-    logical = _fuse_gate_up(jax.tree.map(lambda ax: ax[1:], axes["layers"], is_leaf=is_axes),
-                            stack=lambda g, u: (*g[:-1], None, g[-1]))
+    shapes = _fuse(jax.tree.map(lambda a: a.shape[1:], params["layers"]), mesh,
+                   stack=lambda g, u: (*g[:-1], 2, g[-1]),
+                   join=lambda q, k, v: (*q[:-2], q[-2] + k[-2] + v[-2], q[-1]))
+    # Joined heads are only built without `tensor`, where no rule shards them anyway.
+    logical = _fuse(jax.tree.map(lambda ax: ax[1:], axes["layers"], is_leaf=is_axes), mesh,
+                    stack=lambda g, u: (*g[:-1], None, g[-1]),
+                    join=lambda q, k, v: (*q[:-2], None, q[-1]))
     is_shape = lambda x: isinstance(x, tuple) and all(isinstance(e, int) for e in x)  # noqa: E731
     layer = jax.tree.map(spec, shapes, logical, is_leaf=is_shape)
     out["layers"] = (layer,) * cfg.n_layers
@@ -78,7 +104,7 @@ def _shardings(cfg: ModelConfig, params, mesh):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
 def _to_decode(params, cfg: ModelConfig, mesh):
-    out = _unstack(cfg, params)
+    out = _unstack(cfg, params, mesh)
     if mesh is not None:
         out = jax.lax.with_sharding_constraint(out, _shardings(cfg, params, mesh))
     return out
