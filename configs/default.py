@@ -109,7 +109,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.micro_batches = 1           # gradient accumulation inside one optimizer step
     c.rl.row_len = 512               # packed row length for the update
     c.rl.logprob_chunk = 1024        # positions of every row per step of the log-prob scan
-    c.rl.fused_head = False          # loss gradient formed in the lm head's forward (no logit
+    c.rl.fused_head = True           # loss gradient formed in the lm head's forward (no logit
                                      # recompute; token-level ratios only, GSPO goes unfused)
     c.rl.recompute_old_logp = False  # True: old log-probs from a trainer forward, not the sampler
     c.rl.dynamic_sampling = False    # DAPO: drop groups whose rewards are all equal, draw more

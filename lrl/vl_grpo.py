@@ -130,7 +130,7 @@ def _check_token_ids(vl_cfg, tokenizer, where: str) -> None:
 # ----------------------------------------------------------------------------- compiled steps
 
 def make_vl_update_fn(text_cfg, loss_cfg, tx, mesh=None, *, num_micro: int = 1,
-                      chunk: int = 1024, fused_head: bool = False):
+                      chunk: int = 1024, fused_head: bool = True):
     """fn(state, batch, visual_table) -> (state, metrics): `update_step` jitted once, the state
     donated and kept in its sharding; the batch comes placed by `put_batch`, the table
     replicated (`put_table`)."""

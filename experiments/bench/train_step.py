@@ -39,8 +39,8 @@ def tiny(**kw):
 
 
 def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: int,
-        packed: bool, seq: int = 1, fused_head: bool = False,
-        param_shard_axes: tuple = ("fsdp",)) -> dict:
+        packed: bool, seq: int = 1, fused_head: bool = True,
+        param_shard_axes: tuple = ("fsdp",), scan_layers: bool = True) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -50,7 +50,7 @@ def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
     dtype = jnp.float32 if smoke else jnp.bfloat16
     make = tiny if smoke else qwen25_15b
     cfg = make(dtype=dtype, param_dtype=jnp.float32, remat=remat, attention=attention,
-               param_shard_axes=param_shard_axes)
+               param_shard_axes=param_shard_axes, scan_layers=scan_layers)
     # seq > 1: the row's tokens split over `seq` devices (ring or ulysses attention)
     mesh = mesh_lib.make_mesh({"seq": seq} if seq > 1 else {"fsdp": -1},
                               devices=jax.devices()[:seq])
@@ -87,7 +87,7 @@ def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
     flops = (6 * n_params + 6 * cfg.n_layers * L * cfg.d_model) * L
     stats = jax.devices()[0].memory_stats() or {}
     return {"lrl": True, "seq": L, "remat": remat, "attention": attention, "packed": packed,
-            "devices": seq, "fused_head": fused_head, "step_s": dt,
+            "devices": seq, "fused_head": fused_head, "scan_layers": scan_layers, "step_s": dt,
             "tokens_per_s": L / dt, "tflops": flops / dt / 1e12 / seq, "compile_s": compile_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
             "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
@@ -110,8 +110,10 @@ def main():
                     help="devices the row is split over (with --attention ring or ulysses)")
     ap.add_argument("--param-shard-axes", default="fsdp",
                     help='"fsdp,seq": with --seq N the N devices shard the parameters too')
-    ap.add_argument("--fused-head", action="store_true",
+    ap.add_argument("--fused-head", action=argparse.BooleanOptionalAction, default=True,
                     help="the loss's gradient formed in the lm head's forward (lrl.rl.fused_head)")
+    ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                    help="--no-scan-layers: one block per layer (no stacked residuals)")
     ap.add_argument("--child", default="")
     ap.add_argument("--out", default="")
     ap.add_argument("--budget-s", type=float, default=0, help="skip what would start later")
@@ -120,7 +122,8 @@ def main():
         L, remat = a.child.split(":")
         try:
             rec = one(int(L), remat, a.smoke, a.repeats, a.attention, a.chunk, a.packed, a.seq,
-                      a.fused_head, tuple(x for x in a.param_shard_axes.split(",") if x))
+                      a.fused_head, tuple(x for x in a.param_shard_axes.split(",") if x),
+                      a.scan_layers)
         except Exception as e:  # out of memory, mostly: record it and go on
             rec = {"lrl": True, "seq": int(L), "remat": remat, "error": f"{type(e).__name__}: "
                    f"{str(e).splitlines()[0][:200]}"}
@@ -142,7 +145,8 @@ def main():
                    str(a.repeats), "--attention", a.attention, "--chunk", str(a.chunk),
                    "--seq", str(a.seq)]
             cmd += ["--packed"] if a.packed else []
-            cmd += ["--fused-head"] if a.fused_head else []
+            cmd += ["--fused-head" if a.fused_head else "--no-fused-head"]
+            cmd += ["--scan-layers" if a.scan_layers else "--no-scan-layers"]
             cmd += ["--param-shard-axes", a.param_shard_axes]
             cmd += ["--smoke"] if a.smoke else []
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)

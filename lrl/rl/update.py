@@ -130,7 +130,7 @@ def _metric_identity(shapes):
 def update_step(state: TrainState, batch, visual_table_RD=None, *, model_cfg,
                 loss_cfg: losses.LossConfig, tx: optax.GradientTransformation, mesh=None,
                 num_micro: int = 1, chunk: int = 1024, compute_entropy: bool = True,
-                packed: bool = True, fused_head: bool = False):
+                packed: bool = True, fused_head: bool = True):
     """One optimizer step on a minibatch of packed rows -> (new state, metrics).
 
     Gradients are taken with respect to the master params (the model casts them to
@@ -259,7 +259,7 @@ def make_init_fn(model_cfg, tx, mesh=None):
 
 def make_update_fn(model_cfg, loss_cfg, tx, mesh=None, *, num_micro: int = 1,
                    chunk: int = 1024, compute_entropy: bool = True, packed: bool = True,
-                   fused_head: bool = False):
+                   fused_head: bool = True):
     """update_step jitted once: the state is donated; with a mesh, the state keeps its
     sharding, batch rows go over (data, fsdp) and positions over seq, metrics are replicated.
     Vision-language batches (`fn(state, batch, visual_table)`) on a mesh go through
