@@ -216,12 +216,17 @@ def test_gqa_kernel_lowers_to_triton():
     without a GPU), so a construct Triton cannot take fails here, not on the accelerator."""
     from lrl.rollout.paged_kernel import paged_decode_attention
     S = jax.ShapeDtypeStruct
-    for k_splits in (1, 4):
+    # jax 0.11 asks which GPU to lower for when none is attached.
+    h200 = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
+    for k_splits, kv_per_program in ((1, 1), (1, 0), (4, 0)):
         f = jax.jit(lambda q, k, v, t, n: paged_decode_attention(
-            q, k, v, t, n, 3 * 50, pages_per_block=2, k_splits=k_splits))
-        lowered = f.trace(S((8, 12, 128), jnp.bfloat16), S((2, 200, 16, 128), jnp.bfloat16),
-                          S((2, 200, 16, 128), jnp.bfloat16), S((8, 8), jnp.int32),
-                          S((8,), jnp.int32)).lower(lowering_platforms=("cuda",))
+            q, k, v, t, n, 3 * 50, pages_per_block=2, k_splits=k_splits,
+            kv_per_program=kv_per_program))
+        with jax.sharding.use_abstract_mesh(h200):
+            lowered = f.trace(S((8, 12, 128), jnp.bfloat16), S((2, 200, 16, 128), jnp.bfloat16),
+                              S((2, 200, 16, 128), jnp.bfloat16), S((8, 8), jnp.int32),
+                              S((8,), jnp.int32)).lower(lowering_platforms=("cuda",))
         assert "lrl_paged_decode" in lowered.as_text()
 
 
