@@ -171,6 +171,23 @@ def test_inverse_cdf_draw_follows_the_softmax(block):
     np.testing.assert_allclose(logp, np.log(p[np.asarray(tok)]), atol=1e-5)
 
 
+def test_inverse_cdf_never_lands_on_a_token_without_mass():
+    """Uniforms at 0, just under 1 and at every block boundary of a row whose blocks start and
+    end with -inf tokens (as after a top-k cut) always give a kept token."""
+    rng = np.random.RandomState(4)
+    x = np.full(64, -np.inf, np.float32)
+    keep = np.array([3, 4, 17, 30, 41, 42, 60])
+    x[keep] = rng.randn(keep.size)
+    p = np.exp(x - x.max())
+    cum = np.cumsum(p.reshape(8, 8).sum(-1)) / p.sum()
+    u = np.concatenate([[0.0, np.nextafter(np.float32(1), np.float32(0))], cum[:-1],
+                        np.nextafter(cum[:-1].astype(np.float32), np.float32(0)),
+                        rng.rand(200)]).astype(np.float32)
+    tok, logp = sampling.invert_cdf(jnp.asarray(np.tile(x, (u.size, 1))), jnp.asarray(u), 8)
+    assert set(np.asarray(tok).tolist()) <= set(keep.tolist())
+    assert np.isfinite(np.asarray(logp)).all()
+
+
 def test_inverse_cdf_block_sizes():
     assert sampling._block_size(151936) == 128          # Qwen2.5: 1,187 blocks, no padding
     assert sampling._block_size(128256) == 1002         # Llama 3
