@@ -84,9 +84,17 @@ def op_kinds(hlo_text: str) -> dict:
             what = rhs + "".join(body.get(c, "") for c in called)
             for kind, pat in _KINDS:
                 if re.search(pat, what):
-                    kinds[name] = kind
+                    # GPU kernels carry the op's name with '.' written '_' (fusion.12 ->
+                    # fusion_12) under jax 0.11; keep both spellings.
+                    kinds[name] = kinds[name.replace(".", "_")] = kind
                     break
     return kinds
+
+
+def _kind(kinds: dict, event: dict) -> str:
+    """An op event's kind: by the HLO op the profiler names in its args, else by its name."""
+    op = str(event.get("args", {}).get("hlo_op", ""))
+    return kinds.get(op) or kinds.get(event["name"]) or "?"
 
 
 def summarize(log_dir: str, hlo_text: str = "", top: int = 25, module: str = "",
@@ -118,17 +126,19 @@ def summarize(log_dir: str, hlo_text: str = "", top: int = 25, module: str = "",
             out.append(f"| {name[:70]} | {n[name]} | {d / 1e3 / steps:.2f} |")
     kinds = op_kinds(hlo_text) if hlo_text else {}
     total = sum(e["dur"] for e in ops) or 1
-    per, n = collections.Counter(), collections.Counter()
+    per, n, kind_of = collections.Counter(), collections.Counter(), {}
     for e in ops:
         per[e["name"]] += e["dur"]
         n[e["name"]] += 1
+        if kind_of.get(e["name"], "?") == "?":
+            kind_of[e["name"]] = _kind(kinds, e)
     out += ["", "| op | kind | calls per step | ms per step | share |", "|---|---|---|---|---|"]
     for name, d in per.most_common(top):
-        out.append(f"| {name[:60]} | {kinds.get(name, '?')} | {n[name] / steps:.0f} | "
+        out.append(f"| {name[:60]} | {kind_of[name]} | {n[name] / steps:.0f} | "
                    f"{d / 1e3 / steps:.2f} | {d / total:.1%} |")
     by_kind = collections.Counter()
     for name, d in per.items():
-        by_kind[kinds.get(name, "?")] += d
+        by_kind[kind_of[name]] += d
     out += ["", "| op kind | ms per step | share |", "|---|---|---|"]
     for k, d in by_kind.most_common():
         out.append(f"| {k} | {d / 1e3 / steps:.2f} | {d / total:.1%} |")

@@ -28,6 +28,7 @@ import numpy as np
 from lrl.models.config import ModelConfig
 from lrl.rollout.engine import Engine, EngineConfig
 from lrl.rollout.pages import num_pages_for_memory, num_pages_for_tokens, pages_for
+from lrl.rollout.paged_kernel import kv_heads_per_program
 from lrl.rollout.sampling import SamplingParams
 
 
@@ -58,13 +59,13 @@ def _pool_pages(cfg, prompts, max_new, page_size, slots, pool_tokens, pool_fract
     return prompt_pages + slots * (pages_for(max_new, page_size) + 1) + 1
 
 
-def _k_splits(slots: int, kv_heads: int, programs: int = 512) -> int:
-    """Kernel programs are slots x kv heads x splits: aim for about `programs`, from 1 to 16
-    splits, a power of two. Measured on the H200 (Qwen2.5-1.5B shapes): 256 slots ran 5.40
-    ms a step with 1 split, 5.78 with 2 and 5.76 with 4; 16 slots of 8K tokens 4.03 ms with
-    16 splits and 4.19 with 4."""
+def _k_splits(slots: int, kv_programs: int, programs: int = 512) -> int:
+    """Kernel programs are slots x kv-head programs x splits: aim for about `programs`, from 1
+    to 16 splits, a power of two. Measured on the H200 (Qwen2.5-1.5B shapes): 256 slots ran
+    5.40 ms a step with 1 split, 5.78 with 2 and 5.76 with 4 (jax's kernel); our kernel at 16
+    rows of 8K tokens took 55.6 µs a layer with 16 splits and 81.7 with 8."""
     k = 1
-    while k < 16 and slots * kv_heads * k < programs:
+    while k < 16 and slots * kv_programs * k < programs:
         k *= 2
     return k
 
@@ -123,7 +124,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         sampling=SamplingParams(float(temperature), int(top_k), float(top_p)),
         attention_impl=attention_impl, decode_block_pages=decode_block_pages,
         prefill_block_pages=prefill_block_pages, layer_unroll=layer_unroll,
-        pallas_k_splits=pallas_k_splits or _k_splits(S, cfg.n_kv_heads),
+        pallas_k_splits=pallas_k_splits or _k_splits(
+            S, cfg.n_kv_heads // (pallas_kv_per_program
+                                  or kv_heads_per_program(cfg.n_heads, cfg.n_kv_heads))),
         pallas_warps=pallas_warps, pallas_stages=pallas_stages,
         pallas_kv_per_program=pallas_kv_per_program)
     engine = Engine(cfg, ecfg, mesh)
