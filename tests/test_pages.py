@@ -268,3 +268,23 @@ def test_kv_heads_per_program_fill_one_tile():
     got = {shape: kv_heads_per_program(*shape) for shape in
            [(12, 2), (28, 4), (8, 8), (32, 8), (32, 1), (40, 8)]}
     assert got == {(12, 2): 2, (28, 4): 2, (8, 8): 8, (32, 8): 4, (32, 1): 1, (40, 8): 2}
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Triton kernel")
+@pytest.mark.parametrize("kv_per_program,k_splits", [(1, 1), (2, 1), (1, 4)])
+def test_gpu_gqa_kernel_matches_xla(kv_per_program, k_splits):
+    """On a GPU: the compiled kernel, Qwen2.5-1.5B heads, pages of 16, bf16, against XLA."""
+    from lrl.rollout.paged_kernel import paged_decode_attention
+    rng = np.random.RandomState(2)
+    B, N, K, H, ps, M, L = 8, 12, 2, 128, 16, 16, 2
+    P = B * M + 1
+    pool = lambda: jnp.asarray(rng.randn(K, L * P, ps, H), jnp.bfloat16)  # noqa: E731
+    kp, vp = pool(), pool()
+    table = jnp.asarray((1 + rng.permutation(B * M)).reshape(B, M), jnp.int32)
+    kv_len = jnp.asarray([1, 16, 17, 100, 0, 255, 256, 31], jnp.int32)
+    q = jnp.asarray(rng.randn(B, 1, N, H), jnp.bfloat16)
+    want = pa.decode_attention(q, kp, vp, table, kv_len, P, impl="xla", pages_per_block=4)
+    got = paged_decode_attention(q[:, 0], kp, vp, table, kv_len, P, pages_per_block=4,
+                                 k_splits=k_splits, kv_per_program=kv_per_program)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want[:, 0], np.float32),
+                               atol=2e-2)
