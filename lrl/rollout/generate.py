@@ -124,9 +124,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         sampling=SamplingParams(float(temperature), int(top_k), float(top_p)),
         attention_impl=attention_impl, decode_block_pages=decode_block_pages,
         prefill_block_pages=prefill_block_pages, layer_unroll=layer_unroll,
-        pallas_k_splits=pallas_k_splits or _k_splits(
-            S, cfg.n_kv_heads // (pallas_kv_per_program
-                                  or kv_heads_per_program(cfg.n_heads, cfg.n_kv_heads))),
+        pallas_k_splits=pallas_k_splits or _k_splits(S, cfg.n_kv_heads // kv_heads_per_program(
+            cfg.n_heads, cfg.n_kv_heads, pallas_kv_per_program)),
         pallas_warps=pallas_warps, pallas_stages=pallas_stages,
         pallas_kv_per_program=pallas_kv_per_program)
     engine = Engine(cfg, ecfg, mesh)

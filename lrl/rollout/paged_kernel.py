@@ -37,9 +37,12 @@ def _tile_rows(rows: int) -> int:
     return max(16, pl.next_power_of_2(rows))
 
 
-def kv_heads_per_program(n_heads: int, n_kv_heads: int) -> int:
-    """The most kv heads whose query heads fit one 16-row tile together (at least 1): 2 for
-    Qwen2.5-1.5B (12 query heads over 2 kv heads), 2 for 7B (28 over 4), 1 without GQA."""
+def kv_heads_per_program(n_heads: int, n_kv_heads: int, requested: int = 0) -> int:
+    """`requested`, or when 0 the most kv heads whose query heads fit one 16-row tile together
+    (at least 1): 2 for Qwen2.5-1.5B (12 query heads over 2 kv heads), 2 for 7B (28 over 4),
+    8 for 8 heads without GQA."""
+    if requested:
+        return requested
     G = n_heads // n_kv_heads
     J = max(1, 16 // G)
     while n_kv_heads % J:
@@ -128,7 +131,7 @@ def paged_decode_attention(q_BNH, k_pages, v_pages, table_BM, kv_len_B, layer_ba
         raise ValueError(f"pages per row {M} must be a multiple of k_splits * pages_per_block "
                          f"= {k_splits} * {pages_per_block}")
     G = N // K
-    J = kv_per_program or kv_heads_per_program(N, K)
+    J = kv_heads_per_program(N, K, kv_per_program)
     if K % J:
         raise ValueError(f"kv_per_program {J} does not divide the {K} kv heads")
     split = k_splits > 1
@@ -136,21 +139,21 @@ def paged_decode_attention(q_BNH, k_pages, v_pages, table_BM, kv_len_B, layer_ba
                                pages_per_split=M // k_splits, scale=1.0 / H ** 0.5, split=split)
     head = lambda j: pl.BlockSpec((None, LP, page_size, H),  # noqa: E731
                                   lambda b, g, x: (g * J + j, 0, 0, 0))
-    whole = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))  # noqa: E731
+    whole = lambda shape: pl.BlockSpec(shape, lambda b, g, x: (0,) * len(shape))  # noqa: E731
     in_specs = [whole((1,)), whole((B,)),
-                pl.BlockSpec((None, M), lambda b, h, s: (b, 0)),
-                pl.BlockSpec((None, N, H), lambda b, h, s: (b, 0, 0)),
+                pl.BlockSpec((None, M), lambda b, g, x: (b, 0)),
+                pl.BlockSpec((None, N, H), lambda b, g, x: (b, 0, 0)),
                 *(head(j) for j in range(J)), *(head(j) for j in range(J))]
     if split:
         out_shape = [jax.ShapeDtypeStruct((k_splits, B, N, H), jnp.float32),
                      jax.ShapeDtypeStruct((k_splits, B, N), jnp.float32),
                      jax.ShapeDtypeStruct((k_splits, B, N), jnp.float32)]
-        out_specs = [pl.BlockSpec((None, None, N, H), lambda b, h, s: (s, b, 0, 0)),
-                     pl.BlockSpec((None, None, N), lambda b, h, s: (s, b, 0)),
-                     pl.BlockSpec((None, None, N), lambda b, h, s: (s, b, 0))]
+        out_specs = [pl.BlockSpec((None, None, N, H), lambda b, g, x: (x, b, 0, 0)),
+                     pl.BlockSpec((None, None, N), lambda b, g, x: (x, b, 0)),
+                     pl.BlockSpec((None, None, N), lambda b, g, x: (x, b, 0))]
     else:
         out_shape = [jax.ShapeDtypeStruct((B, N, H), q_BNH.dtype)]
-        out_specs = [pl.BlockSpec((None, N, H), lambda b, h, s: (b, 0, 0))]
+        out_specs = [pl.BlockSpec((None, N, H), lambda b, g, x: (b, 0, 0))]
     outs = pl.pallas_call(
         kernel, grid=(B, K // J, k_splits), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret,

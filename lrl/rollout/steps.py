@@ -143,23 +143,23 @@ def run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT,
     return x, k_pages, v_pages
 
 
+def _joined(h_BTD, weight):
+    """One of the decode layout's joined projections, kernel [D, J, X] (bias [J, X])."""
+    y = jnp.einsum("btd,djx->btjx", h_BTD, weight["kernel"].astype(h_BTD.dtype))
+    return y + weight["bias"].astype(h_BTD.dtype) if "bias" in weight else y
+
+
 def _qkv_fused(block: Block, x_BTD, pos_BT, qkv):
     """Block.qkv with the decode layout's one [D, N + 2K, H] projection weight."""
     N, K = block.cfg.n_heads, block.cfg.n_kv_heads
-    h = block.input_norm(x_BTD)
-    y = jnp.einsum("btd,dnh->btnh", h, qkv["kernel"].astype(h.dtype))
-    if "bias" in qkv:
-        y = y + qkv["bias"].astype(h.dtype)
+    y = _joined(block.input_norm(x_BTD), qkv)
     return block.rotate(y[:, :, :N], y[:, :, N:N + K], y[:, :, N + K:], pos_BT)
 
 
 def _finish_fused(block: Block, x_BTD, attn_BTNH, gate_up):
     """Block.finish with the decode layout's one [D, 2, F] gate-and-up weight."""
     x = x_BTD + block.o_proj(attn_BTNH)
-    h = block.post_attn_norm(x)
-    gu = jnp.einsum("btd,dkf->btkf", h, gate_up["kernel"].astype(h.dtype))
-    if "bias" in gate_up:
-        gu = gu + gate_up["bias"].astype(h.dtype)
+    gu = _joined(block.post_attn_norm(x), gate_up)
     return x + block.down_proj(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1])
 
 
