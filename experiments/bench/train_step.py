@@ -40,7 +40,8 @@ def tiny(**kw):
 
 def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: int,
         packed: bool, seq: int = 1, fused_head: bool = True,
-        param_shard_axes: tuple = ("fsdp",), scan_layers: bool = True) -> dict:
+        param_shard_axes: tuple = ("fsdp",), scan_layers: bool = True,
+        uninit_scan: bool = True) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -57,7 +58,7 @@ def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
     tx = optim.make_optimizer(lr=1e-6, warmup_steps=1, total_steps=100)
     state = update.make_init_fn(cfg, tx, mesh)(jax.random.key(0))
     fn = update.make_update_fn(cfg, losses.LossConfig(), tx, mesh, chunk=chunk, packed=packed,
-                               fused_head=fused_head)
+                               fused_head=fused_head, uninit_scan=uninit_scan)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (1, L), dtype=np.int32)
     batch = {"tokens": tokens, "positions": np.arange(L, dtype=np.int32)[None],
@@ -87,7 +88,8 @@ def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
     flops = (6 * n_params + 6 * cfg.n_layers * L * cfg.d_model) * L
     stats = jax.devices()[0].memory_stats() or {}
     return {"lrl": True, "seq": L, "remat": remat, "attention": attention, "packed": packed,
-            "devices": seq, "fused_head": fused_head, "scan_layers": scan_layers, "step_s": dt,
+            "devices": seq, "fused_head": fused_head, "scan_layers": scan_layers,
+            "uninit_scan": uninit_scan, "step_s": dt,
             "tokens_per_s": L / dt, "tflops": flops / dt / 1e12 / seq, "compile_s": compile_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
             "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
@@ -114,6 +116,9 @@ def main():
                     help="the loss's gradient formed in the lm head's forward (lrl.rl.fused_head)")
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                     help="--no-scan-layers: one block per layer (no stacked residuals)")
+    ap.add_argument("--uninit-scan", action=argparse.BooleanOptionalAction, default=True,
+                    help="lower the step with uninitialised stacked scan outputs "
+                         "(make_update_fn's default; lrl.models.scan_buffers)")
     ap.add_argument("--child", default="")
     ap.add_argument("--out", default="")
     ap.add_argument("--budget-s", type=float, default=0, help="skip what would start later")
@@ -123,7 +128,7 @@ def main():
         try:
             rec = one(int(L), remat, a.smoke, a.repeats, a.attention, a.chunk, a.packed, a.seq,
                       a.fused_head, tuple(x for x in a.param_shard_axes.split(",") if x),
-                      a.scan_layers)
+                      a.scan_layers, a.uninit_scan)
         except Exception as e:  # out of memory, mostly: record it and go on
             rec = {"lrl": True, "seq": int(L), "remat": remat, "error": f"{type(e).__name__}: "
                    f"{str(e).splitlines()[0][:200]}"}
@@ -147,6 +152,7 @@ def main():
             cmd += ["--packed"] if a.packed else []
             cmd += ["--fused-head" if a.fused_head else "--no-fused-head"]
             cmd += ["--scan-layers" if a.scan_layers else "--no-scan-layers"]
+            cmd += ["--uninit-scan" if a.uninit_scan else "--no-uninit-scan"]
             cmd += ["--param-shard-axes", a.param_shard_axes]
             cmd += ["--smoke"] if a.smoke else []
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
