@@ -46,7 +46,8 @@ def _on_gpu() -> bool:
 
 
 def dense_attention(cfg: ModelConfig, q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
-    impl = cfg.attention_impl or ("cudnn" if _on_gpu() else "xla")
+    half = q_BTNH.dtype in (jnp.bfloat16, jnp.float16)   # cuDNN's flash kernels take no fp32
+    impl = cfg.attention_impl or ("cudnn" if _on_gpu() and half else "xla")
     if impl == "xla":
         return xla_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
     if impl == "cudnn":

@@ -61,7 +61,7 @@ class ModelConfig:
     dtype: Any = jnp.float32          # compute dtype
     param_dtype: Any = jnp.float32    # storage dtype (fp32 master weights when training)
     attention: str = "dense"          # dense | ring | ulysses
-    attention_impl: Optional[str] = None  # None: cuDNN on GPU else XLA; or "xla" / "cudnn"
+    attention_impl: Optional[str] = None  # None: cuDNN on GPU in bf16/fp16, else XLA
     remat: str = "full"               # one of REMAT_POLICIES
     scan_layers: bool = True
     # Mesh axes that shard the parameters' model dimension (and so the optimizer state), in
