@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 
+from lrl import mesh as mesh_lib
 from lrl.models.scan_buffers import UninitialisedScanJit, uninitialised_scan_outputs
 from lrl.rl import update as upd
 from tests.test_update import CFG, LOSS, _batch, _params, _state
@@ -51,6 +52,9 @@ def test_update_fn_lowered_with_uninitialised_scans_equals_zero_filled():
     tx = optax.adamw(1e-3)
     fn = upd.make_update_fn(CFG, LOSS, tx, chunk=4)
     assert isinstance(fn, UninitialisedScanJit)
+    # Off by default on a mesh of several devices (measured slower there, with more memory).
+    mesh = mesh_lib.make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
+    assert not isinstance(upd.make_update_fn(CFG, LOSS, tx, mesh, chunk=4), UninitialisedScanJit)
     got = fn.lower(_state(_params(), tx), _batch()).compile()(_state(_params(), tx), _batch())
     called = fn(_state(_params(), tx), _batch())
     want = upd.make_update_fn(CFG, LOSS, tx, chunk=4, uninit_scan=False)(

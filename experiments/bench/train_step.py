@@ -41,11 +41,12 @@ def tiny(**kw):
 def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: int,
         packed: bool, seq: int = 1, fused_head: bool = True,
         param_shard_axes: tuple = ("fsdp",), scan_layers: bool = True,
-        uninit_scan: bool = True) -> dict:
+        uninit_scan=None) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
     from lrl import mesh as mesh_lib
+    from lrl.models.scan_buffers import UninitialisedScanJit
     from lrl.rl import losses, optim, update
 
     dtype = jnp.float32 if smoke else jnp.bfloat16
@@ -89,7 +90,7 @@ def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
     stats = jax.devices()[0].memory_stats() or {}
     return {"lrl": True, "seq": L, "remat": remat, "attention": attention, "packed": packed,
             "devices": seq, "fused_head": fused_head, "scan_layers": scan_layers,
-            "uninit_scan": uninit_scan, "step_s": dt,
+            "uninit_scan": isinstance(fn, UninitialisedScanJit), "step_s": dt,
             "tokens_per_s": L / dt, "tflops": flops / dt / 1e12 / seq, "compile_s": compile_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
             "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
@@ -116,9 +117,9 @@ def main():
                     help="the loss's gradient formed in the lm head's forward (lrl.rl.fused_head)")
     ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                     help="--no-scan-layers: one block per layer (no stacked residuals)")
-    ap.add_argument("--uninit-scan", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--uninit-scan", action=argparse.BooleanOptionalAction, default=None,
                     help="lower the step with uninitialised stacked scan outputs "
-                         "(make_update_fn's default; lrl.models.scan_buffers)")
+                         "(lrl.models.scan_buffers; default: make_update_fn's, one device only)")
     ap.add_argument("--child", default="")
     ap.add_argument("--out", default="")
     ap.add_argument("--budget-s", type=float, default=0, help="skip what would start later")
@@ -152,7 +153,8 @@ def main():
             cmd += ["--packed"] if a.packed else []
             cmd += ["--fused-head" if a.fused_head else "--no-fused-head"]
             cmd += ["--scan-layers" if a.scan_layers else "--no-scan-layers"]
-            cmd += ["--uninit-scan" if a.uninit_scan else "--no-uninit-scan"]
+            if a.uninit_scan is not None:
+                cmd += ["--uninit-scan" if a.uninit_scan else "--no-uninit-scan"]
             cmd += ["--param-shard-axes", a.param_shard_axes]
             cmd += ["--smoke"] if a.smoke else []
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
