@@ -94,8 +94,11 @@ def bench_case(cfg, params, spec, a, wbytes):
                   pool_tokens=P * (T + N + 2 * a.page_size), prefill_chunk=a.prefill_chunk,
                   steps_per_call=a.steps_per_call, layer_unroll=a.layer_unroll,
                   **kernel_kwargs(a))
+    if a.prefill_params == "train":   # the training layout, as generate read it before
+        common["prefill_fn"] = lambda engine, p, state, pre: engine.run_prefill(p, state, pre)
     warm = {}
-    t_compile = timed_generate(cfg, params, prompts[:min(P, 8)], 1, N, common, warm)
+    # Enough prompts that the warm-up compiles the full-width prefill call too.
+    t_compile = timed_generate(cfg, params, prompts[:min(P, 64)], 1, N, common, warm)
     stats = {}
     total = timed_generate(cfg, params, prompts, 1, N, common, stats)
     steps = stats["decode_steps"]
@@ -164,6 +167,8 @@ def main():
                     help="Triton num_stages (default: generate's)")
     ap.add_argument("--kv-per-program", type=int, default=None,
                     help="pallas_gqa: kv heads per program (0: fill one q tile)")
+    ap.add_argument("--prefill-params", choices=("decode", "train"), default="decode",
+                    help="layout of the weights prefill reads (generate's: decode)")
     ap.add_argument("--attention", default=None,
                     help="decode attention: pallas_gqa | pallas | xla (default: generate's)")
     a = ap.parse_args()

@@ -193,7 +193,7 @@ class Engine:
                 long.append(pre)
         kp, vp = state.k_pages, state.v_pages
         for (bucket, _), group in sorted(short.items()):
-            rows = max(1, e.prefill_chunk // bucket)
+            rows = max(1, e.prefill_batch_tokens // bucket)
             for i in range(0, len(group), rows):
                 part = group[i:i + rows]
                 kp, vp = self._prefill_call(params, kp, vp, part, 0, bucket, first=True)

@@ -75,6 +75,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
              eos_ids: Sequence[int] = (), seed: int = 0, page_size: int = 16,
              max_slots: Optional[int] = None, pool_tokens: Optional[int] = None,
              pool_fraction: Optional[float] = None, prefill_chunk: int = 4096,
+             prefill_batch_tokens: int = 16384,
              steps_per_call: int = 16, attention_impl: Optional[str] = None,
              decode_block_pages: int = 4, prefill_block_pages: Optional[int] = None,
              pallas_k_splits: Optional[int] = None, pallas_warps: int = 4,
@@ -93,6 +94,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     programs of the GPU attention kernel, so a few long rows still fill the GPU;
     `pallas_warps` / `pallas_stages` are that kernel's Triton num_warps and num_stages;
     `pallas_kv_per_program`, for attention_impl="pallas_gqa", the kv heads one program takes.
+    `prefill_batch_tokens` caps the tokens of one prefill call that batches short prompts of
+    one length bucket; `prefill_chunk` is the longest call for one long prompt.
     `prefill_fn(engine, params, state, prefixes) -> state` replaces `engine.run_prefill`, e.g.
     `lrl.rollout.sp_prefill.make_prefill(mesh)` for long prompts prefilled over `seq`.
     """
@@ -120,6 +123,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                               pool_fraction, mesh),
         max_slots=S, max_pages_per_slot=pages_for(longest + max_new_tokens - 1, page_size),
         prefill_chunk=prefill_chunk, min_prefill_bucket=min(16, prefill_chunk),
+        prefill_batch_tokens=prefill_batch_tokens,
         eos_ids=tuple(int(e) for e in eos_ids),
         sampling=SamplingParams(float(temperature), int(top_k), float(top_p)),
         attention_impl=attention_impl, decode_block_pages=decode_block_pages,
@@ -176,7 +180,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         st["peak_pages"] = max(st["peak_pages"], engine.pool.num_used)
         if new_prefixes:
             t0 = time.perf_counter()
-            state = (engine.run_prefill(params, state, new_prefixes) if prefill_fn is None
+            # Prefill reads the decode layout too: no layer sliced out of a stack per call,
+            # joined qkv and gate/up matmuls, compute-dtype weights.
+            state = (engine.run_prefill(dparams, state, new_prefixes) if prefill_fn is None
                      else prefill_fn(engine, params, state, new_prefixes))
             if stats is not None:
                 jax.block_until_ready(state.k_pages)

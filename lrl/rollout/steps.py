@@ -31,6 +31,9 @@ class EngineConfig:
     max_slots: int = 8               # S: rows of every decode step
     max_pages_per_slot: int = 64     # M before rounding up to the kernels' block multiple
     prefill_chunk: int = 4096        # longest prefill call (power of two); longer prompts chunk
+    # Tokens of one prefill call of short prompts batched by length bucket. On the H200, 256
+    # prompts of 512 tokens prefilled in 0.586 s with 16,384 and 0.608 s with 4,096.
+    prefill_batch_tokens: int = 16384
     min_prefill_bucket: int = 16     # shortest prefill call (power of two)
     eos_ids: tuple[int, ...] = ()    # tokens that end a sample (kept in its output)
     sampling: SamplingParams = SamplingParams()
@@ -53,6 +56,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two, got {v}")
+        if self.prefill_batch_tokens < 1:
+            raise ValueError(f"prefill_batch_tokens must be >= 1, got {self.prefill_batch_tokens}")
         if self.min_prefill_bucket > self.prefill_chunk:
             raise ValueError(f"min_prefill_bucket {self.min_prefill_bucket} > prefill_chunk "
                              f"{self.prefill_chunk}")
