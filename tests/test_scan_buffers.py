@@ -46,6 +46,9 @@ def test_scan_outputs_are_allocated_not_zero_filled_inside_the_context_only():
     assert loops._empty_array is original
     with uninitialised_scan_outputs(enabled=False) as applied:
         assert not applied and loops._empty_array is original
+    with uninitialised_scan_outputs(), uninitialised_scan_outputs() as nested:   # no deadlock
+        assert nested
+    assert loops._empty_array is original
 
 
 def test_update_fn_lowered_with_uninitialised_scans_equals_zero_filled():

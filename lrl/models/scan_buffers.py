@@ -3,7 +3,8 @@
 jax lowers `lax.scan` so that every stacked output (`[L, ...]` over the layers: the residuals a
 remat policy saves, the weights' gradients in the backward scan) starts as a broadcast zero,
 which the loop then overwrites element by element. XLA keeps the fill: at 16K tokens on the
-H200 the zero-filled scan buffers took about 15 ms of a 470 ms update step (BENCHMARKS.md).
+H200 a profile put the fills (with some copies) at about 15 ms of a 470 ms update step, and
+lowering without them made the step 1.2% faster (BENCHMARKS.md).
 jax means to allocate them uninitialised (`lax.empty`, XLA's AllocateBuffer custom call on GPU
 and TPU; see the TODO in `jax/_src/lax/control_flow/loops.py::_empty_array`) but does not yet.
 
@@ -20,7 +21,7 @@ import threading
 
 import jax
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()   # reentrant: a step may be lowered inside another's context
 
 
 def _uninitialised(original):
