@@ -181,6 +181,31 @@ def test_chunked_prefill_equals_one_shot(tiny):
     np.testing.assert_allclose(v4, v32, atol=1e-5)
 
 
+def test_short_prompts_batch_up_to_prefill_batch_tokens(tiny):
+    """Five prompts of one 16-token bucket: 32 tokens a call makes three calls of two rows
+    (the last padded), one call with the default; the rollouts and their pools agree."""
+    _, cfg, params, _ = tiny("qwen2")
+    prompts = _prompts(cfg, [9, 12, 16, 11, 14], seed=5)
+    runs = []
+    for batch_tokens in (32, 16384):
+        ecfg = EngineConfig(page_size=4, num_pages=40, max_slots=5, max_pages_per_slot=8,
+                            prefill_chunk=16, prefill_batch_tokens=batch_tokens,
+                            prefill_block_pages=2, decode_block_pages=2)
+        engine = Engine(cfg, ecfg)
+        calls = []
+        call = engine._prefill_call
+        engine._prefill_call = lambda *a, **k: calls.append(len(a[3])) or call(*a, **k)
+        prefixes = [engine.reserve_prefix(p) for p in prompts]
+        state = engine.run_prefill(engine.decode_params(params), engine.init_decode_state(),
+                                   prefixes)
+        runs.append((calls, [np.asarray(state.k_pages)[:, pre.pages] for pre in prefixes]))
+    assert runs[0][0] == [2, 2, 1] and runs[1][0] == [5]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match="prefill_batch_tokens must be >= 1"):
+        EngineConfig(prefill_batch_tokens=0)
+
+
 def test_pool_and_prompt_errors(tiny):
     _, cfg, params, _ = tiny("llama")
     prompts = _prompts(cfg, [4, 30])
