@@ -82,6 +82,36 @@ def test_greedy_matches_transformers(tiny, family):
             np.testing.assert_allclose(logps, rows[np.arange(len(tokens)), tokens], atol=1e-4)
 
 
+def test_end_token_stops_each_sample_where_it_appears(tiny):
+    """Samples stop at different calls. With 9 slots no prompt waits, so the host collects
+    each decode call while the next one runs; with 2 slots it collects each at once."""
+    _, cfg, params, _ = tiny("qwen2")
+    prompts = _prompts(cfg, [5, 12, 1, 9], seed=3)
+    kw = dict(max_new_tokens=11, num_samples=2, **SMALL)
+    free = rollout.generate(cfg, params, prompts, max_slots=9, **kw)
+    tokens = [t for s in free for t, _ in s]
+    # An end token that some samples produce early and others late or never.
+    firsts = {}
+    for t in tokens:
+        for i, tok in enumerate(t.tolist()):
+            firsts.setdefault(tok, []).append(i)
+    eos = max(firsts, key=lambda tok: (len(set(firsts[tok])), -min(firsts[tok])))
+    stops = set()
+    for slots in (9, 2):
+        stats = {}
+        outs = rollout.generate(cfg, params, prompts, max_slots=slots, eos_ids=[eos],
+                                stats=stats, **kw)
+        for full_g, cut_g in zip(free, outs):
+            for (full, full_logp), (cut, cut_logp) in zip(full_g, cut_g):
+                hit = np.flatnonzero(full == eos)
+                n = hit[0] + 1 if len(hit) else len(full)
+                stops.add(n)
+                np.testing.assert_array_equal(cut, full[:n])
+                np.testing.assert_allclose(cut_logp, full_logp[:n], atol=1e-5)
+        assert stats["new_tokens"] == sum(len(t) for s in outs for t, _ in s)
+    assert len(stops) > 1
+
+
 def test_sampled_logps_match_forward_and_seeds_repeat(tiny):
     _, cfg, params, _ = tiny("qwen3")
     prompts = _prompts(cfg, [7, 3, 10], seed=1)
