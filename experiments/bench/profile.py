@@ -136,6 +136,18 @@ def summarize(log_dir: str, hlo_text: str = "", top: int = 25, module: str = "",
     for name, d in per.most_common(top):
         out.append(f"| {name[:60]} | {kind_of[name]} | {n[name] / steps:.0f} | "
                    f"{d / 1e3 / steps:.2f} | {d / total:.1%} |")
+    # Families: a name less its numeric suffixes (fusion.12, input_scatter_fusion_7), so the
+    # per-layer copies of one op add up and a per-call time can be read off.
+    fam, fam_n = collections.Counter(), collections.Counter()
+    for name, d in per.items():
+        f = re.sub(r"([._]\d+)+$", "", name)
+        fam[f] += d
+        fam_n[f] += n[name]
+    out += ["", "| op family | calls per step | µs per call | ms per step | share |",
+            "|---|---|---|---|---|"]
+    for f, d in fam.most_common(top):
+        out.append(f"| {f[:60]} | {fam_n[f] / steps:.0f} | {d / fam_n[f]:.1f} | "
+                   f"{d / 1e3 / steps:.3f} | {d / total:.1%} |")
     by_kind = collections.Counter()
     for name, d in per.items():
         by_kind[kind_of[name]] += d
@@ -248,7 +260,7 @@ def decode(a, out_dir):
     step_ms = stats["decode_s"] / stats["decode_steps"] * 1e3
     text = ("| slots | prompt | new | total s | decode ms/step | prefill s |\n|---|---|---|---|---|---|"
             f"\n| {S} | {T} | {N} | {total:.2f} | {step_ms:.2f} | {stats['prefill_s']:.2f} |")
-    return text
+    return text, stats["decode_steps"]
 
 
 def main():
@@ -278,12 +290,15 @@ def main():
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_dump_to={dump} --xla_dump_hlo_as_text").strip()
     module = a.module or ("update_step" if a.what == "train" else "decode_steps")
-    print((train if a.what == "train" else decode)(a, a.out))
+    if a.what == "train":
+        text, steps = train(a, a.out), a.steps
+    else:   # the traced run's prefill ops are in the tables too, spread over its steps
+        text, steps = decode(a, a.out)
+    print(text)
     print()
     hlo = "\n".join(open(f).read() for f in glob.glob(os.path.join(
         dump, f"*{module}*after_optimizations.txt")))
-    print(summarize(os.path.join(a.out, "trace"), hlo, a.top, module=module,
-                    steps=a.steps if a.what == "train" else 1))
+    print(summarize(os.path.join(a.out, "trace"), hlo, a.top, module=module, steps=steps))
 
 
 if __name__ == "__main__":
