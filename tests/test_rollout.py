@@ -82,6 +82,29 @@ def test_greedy_matches_transformers(tiny, family):
             np.testing.assert_allclose(logps, rows[np.arange(len(tokens)), tokens], atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_fused_decode_kernel_matches_xla_path(tiny, family):
+    """The fused kernel (bias, Qwen3's q/k norm, RoPE, page write, attention; interpreted on
+    CPU) decodes what the XLA path decodes, over page-crossing prompts and shared pages."""
+    from lrl.rollout.steps import EngineConfig, _fuses_decode
+    from lrl.rollout.weights import decode_params
+    _, cfg, params, _ = tiny(family)
+    fused = EngineConfig(attention_impl="pallas_gqa_interpret", fused_decode=True)
+    assert _fuses_decode(fused, decode_params(cfg, params))
+    assert not _fuses_decode(EngineConfig(attention_impl="pallas_gqa_interpret"),
+                             decode_params(cfg, params))
+    assert not _fuses_decode(fused, params)          # the training layout's split q/k/v
+    prompts = _prompts(cfg, [5, 12, 1, 9], seed=4)
+    kw = dict(max_new_tokens=6, num_samples=2, max_slots=3, **SMALL)
+    want = rollout.generate(cfg, params, prompts, attention_impl="xla", **kw)
+    got = rollout.generate(cfg, params, prompts, attention_impl="pallas_gqa_interpret",
+                           fused_decode=True, **kw)
+    for a, b in zip(want, got):
+        for (ta, la), (tb, lb) in zip(a, b):
+            np.testing.assert_array_equal(ta, tb)
+            np.testing.assert_allclose(la, lb, atol=1e-5)
+
+
 def test_end_token_stops_each_sample_where_it_appears(tiny):
     """Samples stop at different calls. With 9 slots no prompt waits, so the host collects
     each decode call while the next one runs; with 2 slots it collects each at once."""

@@ -72,6 +72,7 @@ def run_peer(path: str, specs: list[str]) -> dict:
 def kernel_kwargs(a) -> dict:
     """The decode attention settings given on the command line; the rest stay generate's."""
     given = dict(attention_impl=a.attention, decode_block_pages=a.decode_block_pages,
+                 fused_decode=True if a.fused_decode else None,
                  pallas_k_splits=a.k_splits, pallas_warps=a.pallas_warps,
                  pallas_stages=a.pallas_stages, pallas_kv_per_program=a.kv_per_program)
     return {k: v for k, v in given.items() if v is not None}
@@ -169,6 +170,8 @@ def main():
                     help="pallas_gqa: kv heads per program (0: fill one q tile)")
     ap.add_argument("--prefill-params", choices=("decode", "train"), default="decode",
                     help="layout of the weights prefill reads (generate's: decode)")
+    ap.add_argument("--fused-decode", action="store_true",
+                    help="the decode kernel also rotates q/k and writes the pages")
     ap.add_argument("--attention", default=None,
                     help="decode attention: pallas_gqa | pallas | xla (default: generate's)")
     a = ap.parse_args()

@@ -17,6 +17,11 @@ not:
 - the layer's base page index enters as an operand. There is no XLA add of it into the
   [B, M] page table at every layer.
 
+`fused_decode_attention` starts one step earlier, from the joined qkv projection: it also adds
+the bias, applies Qwen3's q/k norm and RoPE and writes the new token's key and value, which
+XLA otherwise does in three fusions a layer. It is correct on the H200 but slower there (see
+EngineConfig.fused_decode), so it is off by default.
+
 B rows · N query heads · K kv heads · G query heads per kv head · H head dim ·
 M pages per row · S keys of a block · X kv splits · R rows of the q tile.
 """
@@ -50,24 +55,19 @@ def kv_heads_per_program(n_heads: int, n_kv_heads: int, requested: int = 0) -> i
     return J
 
 
-def _kernel(base_ref, len_ref, table_ref, q_ref, *refs, G: int, J: int,
-            pages_per_block: int, pages_per_split: int, scale: float, split: bool):
-    """Program (b, g, x): row b, kv heads g*J .. g*J+J-1, split x. Its J*G query rows share one
-    tile; row r's scores sum J dots, each with the q rows of one kv head kept and the others
-    zeroed, so every row sees only its own head's keys; its output row is taken from its own
-    head's p @ V."""
-    k_refs, v_refs, out_refs = refs[:J], refs[J:2 * J], refs[2 * J:]
-    b, g, x = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _rows(g, G: int, J: int):
+    """A program's q tile: its rows' query heads (rows past J*G repeat the last real one) and
+    which of the program's J kv heads each row belongs to."""
     R = _tile_rows(J * G)
-    local_R = jnp.minimum(jnp.arange(R), J * G - 1)   # rows past J*G repeat the last real one
-    rows_R = g * J * G + local_R
-    head_R1 = (local_R // G)[:, None]                  # which of the program's kv heads
-    q_RH = (q_ref[rows_R, :].astype(jnp.float32) * scale).astype(k_refs[0].dtype)
-    q_by_head = [jnp.where(head_R1 == j, q_RH, jnp.zeros_like(q_RH)) if J > 1 else q_RH
-                 for j in range(J)]
-    page_size, H = k_refs[0].shape[-2], k_refs[0].shape[-1]
+    local_R = jnp.minimum(jnp.arange(R), J * G - 1)
+    return R, g * J * G + local_R, (local_R // G)[:, None]
+
+
+def _attend_pages(scores, values, table_ref, length, base, x, R: int, H: int, page_size: int,
+                  pages_per_block: int, pages_per_split: int):
+    """Online softmax over the blocks of split x's pages that hold the row's first `length`
+    tokens: scores(pages) -> [R, S] f32, values(pages, p_RS) -> [R, H] f32. -> (o, m, l)."""
     block = pages_per_block * page_size
-    length, base = len_ref[b], base_ref[0]
     first_page = x * pages_per_split
     last_page = jnp.minimum(pl.cdiv(length, page_size), first_page + pages_per_split)
     n_blocks = pl.cdiv(jnp.maximum(last_page - first_page, 0), pages_per_block)
@@ -76,31 +76,61 @@ def _kernel(base_ref, len_ref, table_ref, q_ref, *refs, G: int, J: int,
         o_RH, m_R, l_R = carry
         page0 = first_page + i * pages_per_block
         pages = table_ref[pl.ds(page0, pages_per_block)] + base
-        s_RS = sum(plgpu.dot(q_by_head[j], k_refs[j][pages].reshape(block, H), trans_b=True)
-                   for j in range(J))
         visible_S = page0 * page_size + jnp.arange(block) < length
-        s_RS = jnp.where(visible_S[None, :], s_RS, _MASK)
+        s_RS = jnp.where(visible_S[None, :], scores(pages), _MASK)
         m_new = jnp.maximum(m_R, s_RS.max(axis=-1))
         correction = jnp.exp(m_R - m_new)
         p_RS = jnp.exp(s_RS - m_new[:, None])
-        p_lo = p_RS.astype(v_refs[0].dtype)
-        pv_RH = plgpu.dot(p_lo, v_refs[0][pages].reshape(block, H))
-        for j in range(1, J):
-            pv_RH = jnp.where(head_R1 == j, plgpu.dot(p_lo, v_refs[j][pages].reshape(block, H)),
-                              pv_RH)
-        return o_RH * correction[:, None] + pv_RH, m_new, l_R * correction + p_RS.sum(axis=-1)
+        return (o_RH * correction[:, None] + values(pages, p_RS), m_new,
+                l_R * correction + p_RS.sum(axis=-1))
 
     init = (jnp.zeros((R, H), jnp.float32), jnp.full((R,), _MASK, jnp.float32),
             jnp.zeros((R,), jnp.float32))
-    o_RH, m_R, l_R = jax.lax.fori_loop(0, n_blocks, body, init)
+    return jax.lax.fori_loop(0, n_blocks, body, init)
+
+
+def _store(out_refs, rows_R, o_RH, m_R, l_R, split: bool):
+    """Partial sums of one split, or the normalised output (zeros for a row with no key)."""
     if split:
         o_ref, m_ref, l_ref = out_refs
         o_ref[rows_R, :] = o_RH
         m_ref[rows_R] = m_R
         l_ref[rows_R] = l_R
-    else:   # a row with no key (an idle slot) gets zeros
+    else:
         (o_ref,) = out_refs
         o_ref[rows_R, :] = (o_RH / jnp.where(l_R > 0, l_R, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+def _kernel(base_ref, len_ref, table_ref, q_ref, *refs, G: int, J: int,
+            pages_per_block: int, pages_per_split: int, scale: float, split: bool):
+    """Program (b, g, x): row b, kv heads g*J .. g*J+J-1, split x. Its J*G query rows share one
+    tile; row r's scores sum J dots, each with the q rows of one kv head kept and the others
+    zeroed, so every row sees only its own head's keys; its output row is taken from its own
+    head's p @ V."""
+    k_refs, v_refs, out_refs = refs[:J], refs[J:2 * J], refs[2 * J:]
+    b, g, x = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    R, rows_R, head_R1 = _rows(g, G, J)
+    q_RH = (q_ref[rows_R, :].astype(jnp.float32) * scale).astype(k_refs[0].dtype)
+    q_by_head = [jnp.where(head_R1 == j, q_RH, jnp.zeros_like(q_RH)) if J > 1 else q_RH
+                 for j in range(J)]
+    page_size, H = k_refs[0].shape[-2], k_refs[0].shape[-1]
+    block = pages_per_block * page_size
+
+    def scores(pages):
+        return sum(plgpu.dot(q_by_head[j], k_refs[j][pages].reshape(block, H), trans_b=True)
+                   for j in range(J))
+
+    def values(pages, p_RS):
+        p_lo = p_RS.astype(v_refs[0].dtype)
+        pv_RH = plgpu.dot(p_lo, v_refs[0][pages].reshape(block, H))
+        for j in range(1, J):
+            pv_RH = jnp.where(head_R1 == j, plgpu.dot(p_lo, v_refs[j][pages].reshape(block, H)),
+                              pv_RH)
+        return pv_RH
+
+    o_RH, m_R, l_R = _attend_pages(scores, values, table_ref, len_ref[b], base_ref[0], x, R, H,
+                                   page_size, pages_per_block, pages_per_split)
+    _store(out_refs, rows_R, o_RH, m_R, l_R, split)
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_block", "k_splits", "warps", "stages",
@@ -144,16 +174,7 @@ def paged_decode_attention(q_BNH, k_pages, v_pages, table_BM, kv_len_B, layer_ba
                 pl.BlockSpec((None, M), lambda b, g, x: (b, 0)),
                 pl.BlockSpec((None, N, H), lambda b, g, x: (b, 0, 0)),
                 *(head(j) for j in range(J)), *(head(j) for j in range(J))]
-    if split:
-        out_shape = [jax.ShapeDtypeStruct((k_splits, B, N, H), jnp.float32),
-                     jax.ShapeDtypeStruct((k_splits, B, N), jnp.float32),
-                     jax.ShapeDtypeStruct((k_splits, B, N), jnp.float32)]
-        out_specs = [pl.BlockSpec((None, None, N, H), lambda b, g, x: (x, b, 0, 0)),
-                     pl.BlockSpec((None, None, N), lambda b, g, x: (x, b, 0)),
-                     pl.BlockSpec((None, None, N), lambda b, g, x: (x, b, 0))]
-    else:
-        out_shape = [jax.ShapeDtypeStruct((B, N, H), q_BNH.dtype)]
-        out_specs = [pl.BlockSpec((None, N, H), lambda b, g, x: (b, 0, 0))]
+    out_shape, out_specs = _attention_outputs(B, N, H, k_splits, q_BNH.dtype)
     outs = pl.pallas_call(
         kernel, grid=(B, K // J, k_splits), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret,
@@ -163,8 +184,191 @@ def paged_decode_attention(q_BNH, k_pages, v_pages, table_BM, kv_len_B, layer_ba
       table_BM.astype(jnp.int32), q_BNH, *(k_pages,) * J, *(v_pages,) * J)
     if not split:
         return outs[0]
-    o_XBNH, m_XBN, l_XBN = outs
+    return _combine_splits(*outs, q_BNH.dtype)
+
+
+def _attention_outputs(B: int, N: int, H: int, k_splits: int, dtype):
+    """(out_shape, out_specs) of the attention: per-split partial sums (o, m, l) in fp32, or
+    with one split the normalised [B, N, H] output in `dtype`."""
+    if k_splits > 1:
+        return ([jax.ShapeDtypeStruct((k_splits, B, N, H), jnp.float32),
+                 jax.ShapeDtypeStruct((k_splits, B, N), jnp.float32),
+                 jax.ShapeDtypeStruct((k_splits, B, N), jnp.float32)],
+                [pl.BlockSpec((None, None, N, H), lambda b, g, x: (x, b, 0, 0)),
+                 pl.BlockSpec((None, None, N), lambda b, g, x: (x, b, 0)),
+                 pl.BlockSpec((None, None, N), lambda b, g, x: (x, b, 0))])
+    return ([jax.ShapeDtypeStruct((B, N, H), dtype)],
+            [pl.BlockSpec((None, N, H), lambda b, g, x: (b, 0, 0))])
+
+
+def _combine_splits(o_XBNH, m_XBN, l_XBN, dtype):
+    """The splits' partial sums -> the normalised output (zeros for a row with no key)."""
     w_XBN = jnp.exp(m_XBN - m_XBN.max(axis=0))
     l_BN = (l_XBN * w_XBN).sum(axis=0)
     o_BNH = (o_XBNH * w_XBN[..., None]).sum(axis=0) / jnp.where(l_BN > 0, l_BN, 1.0)[..., None]
-    return o_BNH.astype(q_BNH.dtype)
+    return o_BNH.astype(dtype)
+
+
+def _fused_kernel(base_ref, len_ref, table_ref, y_ref, *refs, G: int, J: int, N: int, K: int,
+                  pages_per_block: int, pages_per_split: int, scale: float, split: bool,
+                  k_splits: int, has_bias: bool, has_norm: bool, eps: float):
+    """`_kernel` that starts from the qkv projection's output instead of rotated q. Program
+    (b, g, x) adds the bias, applies q/k RMSNorm and RoPE to its q rows and to its kv heads'
+    new key, attends over the row's cached tokens, adds the new token from registers, and (the
+    last split only) writes the new key and value into the pool. Each head is handled as two
+    halves of H/2, the halves RoPE rotates into each other; their two dots sum to q . k."""
+    it = iter(refs)
+    bias_ref = next(it) if has_bias else None
+    qn_ref, kn_ref = (next(it), next(it)) if has_norm else (None, None)
+    cos_ref, sin_ref, wpage_ref, woff_ref, k_ref, v_ref, *out_refs = it
+    out_refs, kout_ref, vout_ref = out_refs[:-2], out_refs[-2], out_refs[-1]
+    b, g, x = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    R, rows_R, head_R1 = _rows(g, G, J)
+    page_size, H = k_ref.shape[-2], k_ref.shape[-1]
+    H2, block = H // 2, pages_per_block * page_size
+    lo, hi = pl.ds(0, H2), pl.ds(H2, H2)
+    dt, pool_dt, f32 = y_ref.dtype, k_ref.dtype, jnp.float32
+    cos, sin = cos_ref[...], sin_ref[...]
+
+    def rotated(rows, norm_ref):
+        """Rows of y (an index or an index array) -> their two rotated halves, in y's dtype,
+        rounded where Block.rotate rounds."""
+        a, c = y_ref[rows, lo].astype(f32), y_ref[rows, hi].astype(f32)
+        if has_bias:
+            a, c = a + bias_ref[rows, lo].astype(f32), c + bias_ref[rows, hi].astype(f32)
+        if has_norm:
+            inv = jax.lax.rsqrt(((a * a).sum(-1, keepdims=True) + (c * c).sum(-1, keepdims=True))
+                                / H + eps)
+            a = norm_ref[lo].astype(dt).astype(f32) * (a * inv).astype(dt).astype(f32)
+            c = norm_ref[hi].astype(dt).astype(f32) * (c * inv).astype(dt).astype(f32)
+            a, c = a.astype(dt).astype(f32), c.astype(dt).astype(f32)
+        return (a * cos - c * sin).astype(dt), (c * cos + a * sin).astype(dt)
+
+    q_halves = [(h.astype(f32) * scale).astype(pool_dt) for h in rotated(rows_R, qn_ref)]
+    q_by_head = [[jnp.where(head_R1 == j, h, jnp.zeros_like(h)) if J > 1 else h
+                  for h in q_halves] for j in range(J)]
+    heads = [g * J + j for j in range(J)]
+    new_k = [[h.astype(pool_dt) for h in rotated(N + hj, kn_ref)] for hj in heads]
+    new_v = []
+    for hj in heads:
+        v = y_ref[N + K + hj, :].astype(f32)
+        new_v.append((v + bias_ref[N + K + hj, :].astype(f32) if has_bias else v).astype(pool_dt))
+
+    def scores(pages):
+        return sum(plgpu.dot(q_by_head[j][0], k_ref[hj, pages, :, lo].reshape(block, H2),
+                             trans_b=True)
+                   + plgpu.dot(q_by_head[j][1], k_ref[hj, pages, :, hi].reshape(block, H2),
+                               trans_b=True)
+                   for j, hj in enumerate(heads))
+
+    def values(pages, p_RS):
+        p_lo = p_RS.astype(pool_dt)
+        pv_RH = plgpu.dot(p_lo, v_ref[heads[0], pages].reshape(block, H))
+        for j in range(1, J):
+            pv_RH = jnp.where(head_R1 == j, plgpu.dot(p_lo, v_ref[heads[j], pages]
+                                                      .reshape(block, H)), pv_RH)
+        return pv_RH
+
+    length = len_ref[b]                       # cached tokens plus the new one; 0: idle slot
+    base = base_ref[0]
+    o_RH, m_R, l_R = _attend_pages(scores, values, table_ref, jnp.maximum(length - 1, 0), base,
+                                   x, R, H, page_size, pages_per_block, pages_per_split)
+    # The new token, in the last split only: its score against every q row, then one more
+    # online-softmax step.
+    take = (length > 0) & (x == k_splits - 1)
+    s_R = sum((q_by_head[j][0].astype(f32) * new_k[j][0].astype(f32)[None, :]).sum(-1)
+              + (q_by_head[j][1].astype(f32) * new_k[j][1].astype(f32)[None, :]).sum(-1)
+              for j in range(J))
+    s_R = jnp.where(take, s_R, _MASK)
+    m_new = jnp.maximum(m_R, s_R)
+    correction = jnp.exp(m_R - m_new)
+    p_R = jnp.where(take, jnp.exp(s_R - m_new), 0.0)
+    v_RH = jnp.broadcast_to(new_v[0].astype(f32)[None, :], (R, H))
+    for j in range(1, J):
+        v_RH = jnp.where(head_R1 == j, new_v[j].astype(f32)[None, :], v_RH)
+    o_RH = o_RH * correction[:, None] + p_R[:, None] * v_RH
+    _store(out_refs, rows_R, o_RH, m_new, l_R * correction + p_R, split)
+
+    def write():
+        page, offset = wpage_ref[b] + base, woff_ref[b]
+        for j, hj in enumerate(heads):
+            kout_ref[hj, page, offset, lo] = new_k[j][0]
+            kout_ref[hj, page, offset, hi] = new_k[j][1]
+            vout_ref[hj, page, offset, :] = new_v[j]
+    if k_splits == 1:
+        write()
+    else:
+        pl.when(x == k_splits - 1)(write)
+
+
+@functools.partial(jax.jit, static_argnames=("n_heads", "eps", "pages_per_block", "k_splits",
+                                             "warps", "stages", "kv_per_program", "interpret"))
+def fused_decode_attention(y_BXH, bias_XH, q_norm_H, k_norm_H, cos_BH2, sin_BH2, k_pages,
+                           v_pages, table_BM, kv_len_B, write_page_B, write_offset_B,
+                           layer_base, *, n_heads: int, eps: float, pages_per_block: int = 4,
+                           k_splits: int = 1, warps: int = 4, stages: int = 1,
+                           kv_per_program: int = 1, interpret: bool = False):
+    """One decode step's attention from the qkv projection: -> (out [B, N, H], k_pages,
+    v_pages with the new token's key and value written).
+
+    y_BXH is the joined q/k/v projection [B, N + 2K, H] before its bias (`bias_XH` or None);
+    `q_norm_H` / `k_norm_H` are Qwen3's per-head RMSNorm scales (or None); cos/sin [B, H/2]
+    are the rows' RoPE angles (`rope_angles`, one half: the halves are equal). `kv_len_B`
+    counts the cached tokens plus the new one (0: an idle row, which gets zeros);
+    `write_page_B` / `write_offset_B` place the new token (pages of layer 0, `layer_base`
+    added). What Block.rotate, `write_kv` and `paged_decode_attention` do in three XLA
+    fusions and a kernel, here in the kernel: one launch a layer instead of four."""
+    B, X, H = y_BXH.shape
+    K, LP, page_size, Hk = k_pages.shape
+    N = n_heads
+    M = table_BM.shape[1]
+    if Hk != H or X != N + 2 * K or N % K or H % 2:
+        raise ValueError(f"qkv [B, X={X}, H={H}] does not fit {N} query heads and pages "
+                         f"[K={K}, ..., H={Hk}]")
+    if pages_per_block * page_size < 16 and not interpret:
+        raise ValueError(f"a block of {pages_per_block} pages x {page_size} tokens is under "
+                         "the 16 tokens Triton's dot needs")
+    if M % (k_splits * pages_per_block):
+        raise ValueError(f"pages per row {M} must be a multiple of k_splits * pages_per_block "
+                         f"= {k_splits} * {pages_per_block}")
+    if (q_norm_H is None) != (k_norm_H is None):
+        raise ValueError("fused_decode_attention: give both q and k norm scales or neither")
+    G = N // K
+    J = kv_heads_per_program(N, K, kv_per_program)
+    if K % J:
+        raise ValueError(f"kv_per_program {J} does not divide the {K} kv heads")
+    split = k_splits > 1
+    has_bias, has_norm = bias_XH is not None, q_norm_H is not None
+    kernel = functools.partial(
+        _fused_kernel, G=G, J=J, N=N, K=K, pages_per_block=pages_per_block,
+        pages_per_split=M // k_splits, scale=1.0 / H ** 0.5, split=split, k_splits=k_splits,
+        has_bias=has_bias, has_norm=has_norm, eps=float(eps))
+    whole = lambda shape: pl.BlockSpec(shape, lambda b, g, x: (0,) * len(shape))  # noqa: E731
+    row = lambda shape: pl.BlockSpec((None, *shape), lambda b, g, x: (b,) + (0,) * len(shape))  # noqa: E731,E501
+    operands = [jnp.asarray(layer_base, jnp.int32).reshape(1), kv_len_B.astype(jnp.int32),
+                table_BM.astype(jnp.int32), y_BXH]
+    in_specs = [whole((1,)), whole((B,)), row((M,)), row((X, H))]
+    extra = ([bias_XH] if has_bias else []) + ([q_norm_H, k_norm_H] if has_norm else [])
+    operands += extra
+    in_specs += [whole(a.shape) for a in extra]
+    operands += [cos_BH2.astype(jnp.float32), sin_BH2.astype(jnp.float32),
+                 write_page_B.astype(jnp.int32), write_offset_B.astype(jnp.int32),
+                 k_pages, v_pages]
+    in_specs += [row((H // 2,)), row((H // 2,)), whole((B,)), whole((B,)),
+                 whole(k_pages.shape), whole(v_pages.shape)]
+    out_shape, out_specs = _attention_outputs(B, N, H, k_splits, y_BXH.dtype)
+    n_out = len(out_shape)
+    out_shape += [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                  jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)]
+    out_specs += [whole(k_pages.shape), whole(v_pages.shape)]
+    outs = pl.pallas_call(
+        kernel, grid=(B, K // J, k_splits), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=interpret,
+        input_output_aliases={len(operands) - 2: n_out, len(operands) - 1: n_out + 1},
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+        name=f"lrl_fused_decode_{pages_per_block}x{page_size}",
+    )(*operands)
+    k_pages, v_pages = outs[n_out], outs[n_out + 1]
+    if not split:
+        return outs[0], k_pages, v_pages
+    return _combine_splits(*outs[:3], y_BXH.dtype), k_pages, v_pages

@@ -17,8 +17,9 @@ import numpy as np
 
 from lrl.models.decoder import Block, constrain, logits_from_hidden
 from lrl.models.forward import unembedding
-from lrl.models.layers import RMSNorm
+from lrl.models.layers import RMSNorm, rope_angles
 from lrl.rollout import paged_attention as pa
+from lrl.rollout import paged_kernel
 from lrl.rollout.pages import NULL_PAGE, page_of, pages_for
 from lrl.rollout.sampling import SamplingParams, sample, sample_keys
 from lrl.rollout.weights import is_decode_layout
@@ -50,6 +51,12 @@ class EngineConfig:
     pallas_stages: int = 1           # Triton software-pipelining stages of its page loop
     pallas_kv_per_program: int = 1   # pallas_gqa: kv heads per program (0: fill one q tile)
     layer_unroll: int = 1            # unroll of the layer scan (fewer loop trips per step)
+    # pallas_gqa with the decode layout's joined qkv: the kernel also adds the qkv bias,
+    # applies q/k norm and RoPE and writes the new token's k and v (`fused_decode_attention`),
+    # one launch a layer instead of four. Off: on the H200 at 256 slots it ran 4.33-4.35 ms a
+    # step with 4 pages a block, 3.95 with 8 and 4.16-4.17 with 16, against 3.82-3.88 unfused
+    # (BENCHMARKS.md).
+    fused_decode: bool = False
 
     def __post_init__(self):
         for name in ("prefill_chunk", "min_prefill_bucket"):
@@ -218,6 +225,38 @@ def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_val
     return k_pages, v_pages
 
 
+def _fuses_decode(ecfg, params) -> bool:
+    return (ecfg.fused_decode and ecfg.attention_impl in ("pallas_gqa", "pallas_gqa_interpret")
+            and is_decode_layout(params) and "qkv" in params["layers"][0])
+
+
+def _fused_layers(cfg, ecfg, params, x_B1D, rope_B1, state, page_B, offset_B, kv_len_B):
+    """The decode layout's layers with `paged_kernel.fused_decode_attention`: per layer the
+    qkv matmul, one kernel (bias, q/k norm, RoPE, page write, attention), then Block.finish.
+    The RoPE angles are the same at every layer, so they are computed once."""
+    block = Block(cfg)
+    H2 = cfg.head_dim // 2
+    cos, sin = rope_angles(cfg, rope_B1)
+    cos_BH2, sin_BH2 = cos[:, 0, :H2], sin[:, 0, :H2]
+    kp, vp = state.k_pages, state.v_pages
+    P = kp.shape[1] // cfg.n_layers
+    for layer, lp in enumerate(params["layers"]):
+        h = block.apply({"params": lp}, x_B1D, method=lambda m, x: m.input_norm(x))
+        y_BXH = _joined(h, {"kernel": lp["qkv"]["kernel"]})[:, 0]
+        norms = ((lp["q_norm"]["scale"], lp["k_norm"]["scale"]) if cfg.qk_norm
+                 else (None, None))
+        attn_BNH, kp, vp = paged_kernel.fused_decode_attention(
+            y_BXH, lp["qkv"].get("bias"), *norms, cos_BH2, sin_BH2, kp, vp, state.page_table,
+            kv_len_B, page_B, offset_B, layer * P, n_heads=cfg.n_heads, eps=cfg.rms_norm_eps,
+            pages_per_block=ecfg.decode_block_pages, k_splits=ecfg.pallas_k_splits,
+            warps=ecfg.pallas_warps, stages=ecfg.pallas_stages,
+            kv_per_program=ecfg.pallas_kv_per_program,
+            interpret=ecfg.attention_impl.endswith("_interpret"))
+        x_B1D = block.apply({"params": lp}, x_B1D, attn_BNH[:, None], lp["gate_up"],
+                            method=_finish_fused)
+    return x_B1D, kp, vp
+
+
 def _decode_step(cfg, ecfg, params, state: DecodeState, rng):
     live = state.active
     pos_B1 = state.lengths[:, None]
@@ -232,9 +271,13 @@ def _decode_step(cfg, ecfg, params, state: DecodeState, rng):
                                    kv_per_program=ecfg.pallas_kv_per_program)
 
     rope_B1 = pos_B1 + state.rope_delta[:, None]   # text tokens: one position for t, h, w
-    x, kp, vp = run_layers(cfg, params, _embed(cfg, params, state.tokens[:, None]), rope_B1,
-                            state.k_pages, state.v_pages, page_B1, offset_B1, attend,
-                            ecfg.layer_unroll)
+    x = _embed(cfg, params, state.tokens[:, None])
+    if _fuses_decode(ecfg, params):
+        x, kp, vp = _fused_layers(cfg, ecfg, params, x, rope_B1, state, page_B1[:, 0],
+                                  offset_B1[:, 0], kv_len_B)
+    else:
+        x, kp, vp = run_layers(cfg, params, x, rope_B1, state.k_pages, state.v_pages, page_B1,
+                               offset_B1, attend, ecfg.layer_unroll)
     norm = RMSNorm(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     x = norm.apply({"params": params["final_norm"]}, x)
     logits_BV = logits_from_hidden(x, unembedding(cfg, params))[:, 0]
