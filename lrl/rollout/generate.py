@@ -7,7 +7,8 @@
 Prompts are admitted in order: a prompt is prefilled once, when its first sample gets a slot,
 and its samples then take free slots as they appear, all reading the prompt's pages. Between
 decode calls the host collects finished slots (end token or length limit), returns their
-pages and refills them from the waiting samples. Sample g of prompt p draws its tokens with
+pages and refills them from the waiting samples; once no sample waits, it collects each call
+while the next one runs. Sample g of prompt p draws its tokens with
 keys derived from (seed, p * num_samples + g, step), whatever slot it lands in.
 
 Multimodal prompts pass `prompt_embeds` (per prompt [T, D], visual rows spliced in) and
