@@ -151,19 +151,9 @@ def paged_decode_attention(q_BNH, k_pages, v_pages, table_BM, kv_len_B, layer_ba
     M = table_BM.shape[1]
     if Hk != H or N % K:
         raise ValueError(f"q [B, N={N}, H={H}] does not fit pages [K={K}, ..., H={Hk}]")
-    for name, v in (("pages_per_block", pages_per_block), ("head dim", H)):
-        if v < 1 or v & (v - 1):
-            raise ValueError(f"{name} must be a power of two, got {v}")
-    if pages_per_block * page_size < 16 and not interpret:   # the interpreter has no such floor
-        raise ValueError(f"a block of {pages_per_block} pages x {page_size} tokens is under "
-                         "the 16 tokens Triton's dot needs")
-    if M % (k_splits * pages_per_block):
-        raise ValueError(f"pages per row {M} must be a multiple of k_splits * pages_per_block "
-                         f"= {k_splits} * {pages_per_block}")
     G = N // K
-    J = kv_heads_per_program(N, K, kv_per_program)
-    if K % J:
-        raise ValueError(f"kv_per_program {J} does not divide the {K} kv heads")
+    J = _check_launch(N, K, H, page_size, M, pages_per_block, k_splits, kv_per_program,
+                      interpret)
     split = k_splits > 1
     kernel = functools.partial(_kernel, G=G, J=J, pages_per_block=pages_per_block,
                                pages_per_split=M // k_splits, scale=1.0 / H ** 0.5, split=split)
@@ -185,6 +175,24 @@ def paged_decode_attention(q_BNH, k_pages, v_pages, table_BM, kv_len_B, layer_ba
     if not split:
         return outs[0]
     return _combine_splits(*outs, q_BNH.dtype)
+
+
+def _check_launch(N: int, K: int, H: int, page_size: int, M: int, pages_per_block: int,
+                  k_splits: int, kv_per_program: int, interpret: bool) -> int:
+    """Checks a decode kernel's launch settings against the shapes -> J, kv heads a program."""
+    for name, v in (("pages_per_block", pages_per_block), ("head dim", H)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two, got {v}")
+    if pages_per_block * page_size < 16 and not interpret:   # the interpreter has no such floor
+        raise ValueError(f"a block of {pages_per_block} pages x {page_size} tokens is under "
+                         "the 16 tokens Triton's dot needs")
+    if M % (k_splits * pages_per_block):
+        raise ValueError(f"pages per row {M} must be a multiple of k_splits * pages_per_block "
+                         f"= {k_splits} * {pages_per_block}")
+    J = kv_heads_per_program(N, K, kv_per_program)
+    if K % J:
+        raise ValueError(f"kv_per_program {J} does not divide the {K} kv heads")
+    return J
 
 
 def _attention_outputs(B: int, N: int, H: int, k_splits: int, dtype):
@@ -322,21 +330,14 @@ def fused_decode_attention(y_BXH, bias_XH, q_norm_H, k_norm_H, cos_BH2, sin_BH2,
     K, LP, page_size, Hk = k_pages.shape
     N = n_heads
     M = table_BM.shape[1]
-    if Hk != H or X != N + 2 * K or N % K or H % 2:
+    if Hk != H or X != N + 2 * K or N % K:
         raise ValueError(f"qkv [B, X={X}, H={H}] does not fit {N} query heads and pages "
                          f"[K={K}, ..., H={Hk}]")
-    if pages_per_block * page_size < 16 and not interpret:
-        raise ValueError(f"a block of {pages_per_block} pages x {page_size} tokens is under "
-                         "the 16 tokens Triton's dot needs")
-    if M % (k_splits * pages_per_block):
-        raise ValueError(f"pages per row {M} must be a multiple of k_splits * pages_per_block "
-                         f"= {k_splits} * {pages_per_block}")
     if (q_norm_H is None) != (k_norm_H is None):
         raise ValueError("fused_decode_attention: give both q and k norm scales or neither")
     G = N // K
-    J = kv_heads_per_program(N, K, kv_per_program)
-    if K % J:
-        raise ValueError(f"kv_per_program {J} does not divide the {K} kv heads")
+    J = _check_launch(N, K, H, page_size, M, pages_per_block, k_splits, kv_per_program,
+                      interpret)
     split = k_splits > 1
     has_bias, has_norm = bias_XH is not None, q_norm_H is not None
     kernel = functools.partial(
