@@ -1,7 +1,5 @@
-"""The decode kernels that write the new token's key and value into the pool themselves, against
-`write_kv` and the XLA paged attention, in interpret mode on CPU, lowered for CUDA and (on a
-GPU) compiled: the one-launch writer and the plain attention kernel given the rotated k and v
-(`write_and_attend`, kv_write "pallas" and "attention"), and the fused one (qkv bias, q/k norm, RoPE, page write and paged attention in one program)."""
+"""The fused decode kernel (qkv bias, q/k norm, RoPE, page write and paged attention in one
+Pallas program) against the unfused path, in interpret mode on CPU and lowered for CUDA."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +9,7 @@ from lrl.models.config import tiny_config
 from lrl.models.layers import RMSNorm, apply_rope, rope_angles
 from lrl.rollout import paged_attention as pa
 from lrl.rollout.pages import NULL_PAGE, page_of
-from lrl.rollout.paged_kernel import (fused_decode_attention, paged_decode_attention,
-                                      write_new_token)
+from lrl.rollout.paged_kernel import fused_decode_attention
 
 
 def _case(rng, N, K, H, bias, norm, dtype=jnp.float32, ps=4, M=8):
@@ -156,111 +153,3 @@ def test_gpu_fused_kernel_matches_unfused(bias, norm, kv_per_program, k_splits):
     for got, want in ((got_k, want_k), (got_v, want_v)):
         np.testing.assert_allclose(np.asarray(got, np.float32)[:, at[0], at[1]],
                                    np.asarray(want, np.float32)[:, at[0], at[1]], atol=2e-2)
-
-
-def _write_and_attend(c, N, K, H, impl, kv_write, dtype, base, **kw):
-    rng = np.random.RandomState(7)
-    q, k, v = (jnp.asarray(rng.randn(c["B"], 1, n, H), dtype) for n in (N, K, K))
-    page, offset = page_of(c["table"], c["lengths"][:, None], c["live"][:, None], c["ps"])
-    kv_len = jnp.where(c["live"], c["lengths"] + 1, 0)
-    return pa.write_and_attend(q, k, v, c["kp"], c["vp"], page, offset, c["table"], kv_len,
-                               base, impl=impl, kv_write=kv_write, **kw), (page, offset)
-
-
-def _check_written(got, want, before, base, page, offset, live, atol):
-    """Equal pools but for the null page (idle rows collide there, in any order); exactly the
-    live rows' slots changed."""
-    got, want, before = (np.array(a, np.float32) for a in (got, want, before))
-    null = base + NULL_PAGE
-    got[:, null], want[:, null], before[:, null] = 0, 0, 0
-    np.testing.assert_allclose(got, want, atol=atol)
-    changed = {tuple(x) for x in np.argwhere((got != before).any(axis=(0, 3)))}
-    rows = np.flatnonzero(np.asarray(live))
-    assert changed == {(int(page[r, 0]) + base, int(offset[r, 0])) for r in rows}
-
-
-@pytest.mark.parametrize("kv_write,k_splits", [
-    ("pallas", 1), ("attention", 1), ("attention", 2), ("attention", 4)])
-def test_kernels_write_the_new_token(kv_write, k_splits):
-    """fp32, interpreted: the writer, or the attention kernel, given the new rotated k and v
-    writes them where write_kv does, and the attention is write_kv + the XLA path's; rows at
-    their first token, mid-page, at a page boundary, nearly full, and an idle row (zeros)."""
-    rng = np.random.RandomState(0)
-    N, K, H = 6, 2, 16
-    c = _case(rng, N, K, H, bias=False, norm=False)
-    base = c["P"]
-    kw = dict(pages_per_block=2, k_splits=k_splits)
-    (want_o, want_k, want_v), _ = _write_and_attend(c, N, K, H, "xla", "xla", jnp.float32,
-                                                    base, **kw)
-    (got_o, got_k, got_v), (page, offset) = _write_and_attend(
-        c, N, K, H, "pallas_gqa_interpret", kv_write, jnp.float32, base, **kw)
-    np.testing.assert_allclose(np.asarray(got_o), np.asarray(want_o), atol=2e-5, rtol=1e-5)
-    assert not np.asarray(got_o[3]).any()
-    for got, want, before in ((got_k, want_k, c["kp"]), (got_v, want_v, c["vp"])):
-        _check_written(got, want, before, base, np.asarray(page), np.asarray(offset),
-                       c["live"], 1e-6)
-
-
-def test_plain_kernel_writes_only_with_one_kv_head_a_program():
-    """Both kv heads a program would hand the pool to the kernel twice: write_and_attend
-    falls back to the scatters (same result), the kernel itself refuses."""
-    rng = np.random.RandomState(2)
-    N, K, H = 6, 2, 16
-    c = _case(rng, N, K, H, bias=False, norm=False)
-    kw = dict(pages_per_block=2, kv_per_program=0)
-    (want_o, want_k, _), _ = _write_and_attend(c, N, K, H, "xla", "xla", jnp.float32, 0, **kw)
-    (got_o, got_k, _), _ = _write_and_attend(c, N, K, H, "pallas_gqa_interpret", "attention",
-                                             jnp.float32, 0, **kw)
-    np.testing.assert_allclose(np.asarray(got_o), np.asarray(want_o), atol=2e-5, rtol=1e-5)
-    np.testing.assert_array_equal(np.asarray(got_k)[:, 1:], np.asarray(want_k)[:, 1:])
-    z = jnp.zeros
-    with pytest.raises(ValueError, match="one kv head a program"):
-        paged_decode_attention(z((2, N, H)), c["kp"], c["vp"], c["table"][:2],
-                               z((2,), jnp.int32), 0, z((2, K, H)), z((2, K, H)),
-                               z((2,), jnp.int32), z((2,), jnp.int32), pages_per_block=2,
-                               kv_per_program=2, interpret=True)
-
-
-def test_writing_kernels_lower_to_triton():
-    """The writer's and the writing attention kernel's Pallas-to-Triton lowering runs on a CPU
-    host, pools aliased."""
-    S = jax.ShapeDtypeStruct
-    bf, i32 = jnp.bfloat16, jnp.int32
-    h200 = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
-    B, N, K, H, M = 8, 12, 2, 128, 16
-    pool = S((K, 2 * 64, 16, H), bf)
-    for k_splits in (1, 4):
-        f = jax.jit(lambda *a: paged_decode_attention(
-            *a[:5], 64, *a[5:], pages_per_block=4, k_splits=k_splits), donate_argnums=(1, 2))
-        args = [S((B, N, H), bf), pool, pool, S((B, M), i32), S((B,), i32),
-                S((B, K, H), bf), S((B, K, H), bf), S((B,), i32), S((B,), i32)]
-        with jax.sharding.use_abstract_mesh(h200):
-            text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert "lrl_paged_decode" in text and "output_operand_aliases" in text
-    f = jax.jit(lambda *a: write_new_token(*a, 64), donate_argnums=(0, 1))
-    with jax.sharding.use_abstract_mesh(h200):
-        text = f.trace(pool, pool, S((B, K, H), bf), S((B, K, H), bf), S((B,), i32),
-                       S((B,), i32)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "lrl_write_new_token" in text and "output_operand_aliases" in text
-
-
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Triton kernel")
-@pytest.mark.parametrize("kv_write,k_splits", [("pallas", 1), ("attention", 1), ("attention", 4)])
-def test_gpu_kernels_write_the_new_token(kv_write, k_splits):
-    """On a GPU: the compiled writer or writing attention kernel, Qwen2.5-1.5B heads, pages
-    of 16, bf16, against write_kv and the XLA path."""
-    rng = np.random.RandomState(3)
-    N, K, H = 12, 2, 128
-    c = _case(rng, N, K, H, False, False, dtype=jnp.bfloat16, ps=16, M=16)
-    base = c["P"]
-    kw = dict(pages_per_block=4, k_splits=k_splits)
-    (want_o, want_k, want_v), _ = _write_and_attend(c, N, K, H, "xla", "xla", jnp.bfloat16,
-                                                    base, **kw)
-    (got_o, got_k, got_v), (page, offset) = _write_and_attend(
-        c, N, K, H, "pallas_gqa", kv_write, jnp.bfloat16, base, **kw)
-    np.testing.assert_allclose(np.asarray(got_o, np.float32), np.asarray(want_o, np.float32),
-                               atol=3e-2)
-    for got, want, before in ((got_k, want_k, c["kp"]), (got_v, want_v, c["vp"])):
-        _check_written(got, want, before, base, np.asarray(page), np.asarray(offset),
-                       c["live"], 0)

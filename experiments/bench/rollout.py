@@ -73,7 +73,6 @@ def kernel_kwargs(a) -> dict:
     """The decode attention settings given on the command line; the rest stay generate's."""
     given = dict(attention_impl=a.attention, decode_block_pages=a.decode_block_pages,
                  fused_decode=True if a.fused_decode else None,
-                 kv_write=a.kv_write,
                  pallas_k_splits=a.k_splits, pallas_warps=a.pallas_warps,
                  pallas_stages=a.pallas_stages, pallas_kv_per_program=a.kv_per_program)
     return {k: v for k, v in given.items() if v is not None}
@@ -173,8 +172,6 @@ def main():
                     help="layout of the weights prefill reads (generate's: decode)")
     ap.add_argument("--fused-decode", action="store_true",
                     help="the decode kernel also rotates q/k and writes the pages")
-    ap.add_argument("--kv-write", choices=("xla", "pallas", "attention"), default=None,
-                    help="how decode writes the new key and value (default: generate's)")
     ap.add_argument("--attention", default=None,
                     help="decode attention: pallas_gqa | pallas | xla (default: generate's)")
     a = ap.parse_args()

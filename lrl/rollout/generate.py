@@ -81,7 +81,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
              decode_block_pages: int = 4, prefill_block_pages: Optional[int] = None,
              pallas_k_splits: Optional[int] = None, pallas_warps: int = 4,
              pallas_stages: int = 1, pallas_kv_per_program: int = 1, layer_unroll: int = 1,
-             fused_decode: bool = False, kv_write: str = "xla",
+             fused_decode: bool = False,
              mesh=None, stats: Optional[dict] = None,
              prompt_embeds: Optional[Sequence] = None,
              prompt_positions: Optional[Sequence] = None,
@@ -97,8 +97,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     `pallas_warps` / `pallas_stages` are that kernel's Triton num_warps and num_stages;
     `pallas_kv_per_program`, for attention_impl="pallas_gqa", the kv heads one program takes;
     `fused_decode` lets that kernel also add the qkv bias, apply q/k norm and RoPE and write
-    the new token's key and value (EngineConfig.fused_decode; off, slower on the H200);
-    `kv_write` picks how the unfused path writes the new key and value (EngineConfig.kv_write).
+    the new token's key and value (EngineConfig.fused_decode; off, slower on the H200).
     `prefill_batch_tokens` caps the tokens of one prefill call that batches short prompts of
     one length bucket; `prefill_chunk` is the longest call for one long prompt.
     `prefill_fn(engine, params, state, prefixes) -> state` replaces `engine.run_prefill`, e.g.
@@ -136,8 +135,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         pallas_k_splits=pallas_k_splits or _k_splits(S, cfg.n_kv_heads // kv_heads_per_program(
             cfg.n_heads, cfg.n_kv_heads, pallas_kv_per_program)),
         pallas_warps=pallas_warps, pallas_stages=pallas_stages,
-        pallas_kv_per_program=pallas_kv_per_program, fused_decode=fused_decode,
-        kv_write=kv_write)
+        pallas_kv_per_program=pallas_kv_per_program, fused_decode=fused_decode)
     engine = Engine(cfg, ecfg, mesh)
     for i, p in enumerate(prompts):
         engine.check_fits(len(p), max_new_tokens, what=f"prompt {i}")

@@ -152,45 +152,6 @@ def decode_attention(q_BTNH, k_pages, v_pages, table_BM, kv_len_B, layer_base, *
     raise ValueError(f"decode attention impl={impl!r}; choose one of {IMPLS}")
 
 
-KV_WRITES = ("xla", "pallas", "attention")
-
-
-def write_and_attend(q_BTNH, k_BTKH, v_BTKH, k_pages, v_pages, page_BT, offset_BT, table_BM,
-                     kv_len_B, layer_base, *, impl: str, kv_write: str, pages_per_block: int,
-                     k_splits: int = 1, warps: int = 4, stages: int = 1,
-                     kv_per_program: int = 1):
-    """A decode step's page write and attention (T == 1) -> (out, k_pages, v_pages).
-    `kv_len_B` counts the new token. How the new key and value reach the pool, with impl
-    pallas_gqa (any other impl uses "xla"):
-    - "xla": `write_kv`'s two scatters;
-    - "pallas": `paged_kernel.write_new_token`, both in one launch;
-    - "attention": the attention kernel writes them and attends to them from registers (one
-      kv head a program only; with more, "xla")."""
-    if kv_write not in KV_WRITES:
-        raise ValueError(f"kv_write={kv_write!r}; choose one of {KV_WRITES}")
-    N, K = q_BTNH.shape[2], k_pages.shape[0]
-    kw = dict(pages_per_block=pages_per_block, k_splits=k_splits, warps=warps, stages=stages)
-    gqa = impl in ("pallas_gqa", "pallas_gqa_interpret")
-    interpret = impl.endswith("_interpret")
-    if (gqa and kv_write == "attention"
-            and paged_kernel.kv_heads_per_program(N, K, kv_per_program) == 1):
-        out, k_pages, v_pages = paged_kernel.paged_decode_attention(
-            q_BTNH[:, 0], k_pages, v_pages, table_BM, kv_len_B, layer_base, k_BTKH[:, 0],
-            v_BTKH[:, 0], page_BT[:, 0], offset_BT[:, 0], kv_per_program=1,
-            interpret=interpret, **kw)
-        return out[:, None], k_pages, v_pages
-    if gqa and kv_write == "pallas":
-        k_pages, v_pages = paged_kernel.write_new_token(
-            k_pages, v_pages, k_BTKH[:, 0], v_BTKH[:, 0], page_BT[:, 0], offset_BT[:, 0],
-            layer_base, interpret=interpret)
-    else:
-        k_pages, v_pages = write_kv(k_pages, v_pages, k_BTKH, v_BTKH, page_BT + layer_base,
-                                    offset_BT)
-    out = decode_attention(q_BTNH, k_pages, v_pages, table_BM, kv_len_B, layer_base, impl=impl,
-                           kv_per_program=kv_per_program, **kw)
-    return out, k_pages, v_pages
-
-
 def chunk_self_attention(q_BTNH, k_BTKH, v_BTKH):
     """Causal attention of a prompt's first chunk over itself (nothing is in the pages yet):
     cuDNN flash attention on GPU in half precision, else the training model's XLA path.

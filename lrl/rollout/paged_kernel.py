@@ -101,47 +101,13 @@ def _store(out_refs, rows_R, o_RH, m_R, l_R, split: bool):
         o_ref[rows_R, :] = (o_RH / jnp.where(l_R > 0, l_R, 1.0)[:, None]).astype(o_ref.dtype)
 
 
-def _with_new_token(o_RH, m_R, l_R, s_R, v_J, head_R1, take):
-    """One more online-softmax step for the new token, taken from registers: its scores
-    s_R [R] (f32) and its value, one [H] row per kv head of the program (`v_J`), where
-    `take`."""
-    s_R = jnp.where(take, s_R, _MASK)
-    m_new = jnp.maximum(m_R, s_R)
-    correction = jnp.exp(m_R - m_new)
-    p_R = jnp.where(take, jnp.exp(s_R - m_new), 0.0)
-    v_RH = jnp.broadcast_to(v_J[0].astype(jnp.float32)[None, :], (o_RH.shape[0], v_J[0].shape[0]))
-    for j in range(1, len(v_J)):
-        v_RH = jnp.where(head_R1 == j, v_J[j].astype(jnp.float32)[None, :], v_RH)
-    return o_RH * correction[:, None] + p_R[:, None] * v_RH, m_new, l_R * correction + p_R
-
-
-def _write_new(kout_ref, vout_ref, page, offset, heads, k_parts, v_J, k_splits: int, x):
-    """The new token's key (`k_parts`: per kv head, (columns, values) pairs) and value into
-    the pool, by the last split's program only."""
-    def write():
-        for j, hj in enumerate(heads):
-            for cols, val in k_parts[j]:
-                kout_ref[hj, page, offset, cols] = val
-            vout_ref[hj, page, offset, :] = v_J[j]
-    if k_splits == 1:
-        write()
-    else:
-        pl.when(x == k_splits - 1)(write)
-
-
 def _kernel(base_ref, len_ref, table_ref, q_ref, *refs, G: int, J: int,
-            pages_per_block: int, pages_per_split: int, scale: float, split: bool,
-            writes: bool, k_splits: int):
+            pages_per_block: int, pages_per_split: int, scale: float, split: bool):
     """Program (b, g, x): row b, kv heads g*J .. g*J+J-1, split x. Its J*G query rows share one
     tile; row r's scores sum J dots, each with the q rows of one kv head kept and the others
     zeroed, so every row sees only its own head's keys; its output row is taken from its own
-    head's p @ V. `writes`: the row's new key and value come as operands, not yet in the
-    pool; the last split attends to them from registers and writes them into the pool."""
-    k_refs, v_refs, refs = refs[:J], refs[J:2 * J], refs[2 * J:]
-    if writes:
-        new_k_ref, new_v_ref, wpage_ref, woff_ref, *out_refs, kout_ref, vout_ref = refs
-    else:
-        out_refs = refs
+    head's p @ V."""
+    k_refs, v_refs, out_refs = refs[:J], refs[J:2 * J], refs[2 * J:]
     b, g, x = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     R, rows_R, head_R1 = _rows(g, G, J)
     q_RH = (q_ref[rows_R, :].astype(jnp.float32) * scale).astype(k_refs[0].dtype)
@@ -162,30 +128,16 @@ def _kernel(base_ref, len_ref, table_ref, q_ref, *refs, G: int, J: int,
                               pv_RH)
         return pv_RH
 
-    length, base = len_ref[b], base_ref[0]
-    cached = jnp.maximum(length - 1, 0) if writes else length
-    o_RH, m_R, l_R = _attend_pages(scores, values, table_ref, cached, base, x, R, H,
+    o_RH, m_R, l_R = _attend_pages(scores, values, table_ref, len_ref[b], base_ref[0], x, R, H,
                                    page_size, pages_per_block, pages_per_split)
-    if writes:
-        heads = [g * J + j for j in range(J)]
-        new_k = [new_k_ref[hj, :].astype(k_refs[0].dtype) for hj in heads]
-        new_v = [new_v_ref[hj, :].astype(v_refs[0].dtype) for hj in heads]
-        s_R = sum((q_by_head[j].astype(jnp.float32) * new_k[j].astype(jnp.float32)[None, :])
-                  .sum(-1) for j in range(J))
-        o_RH, m_R, l_R = _with_new_token(o_RH, m_R, l_R, s_R, new_v, head_R1,
-                                         (length > 0) & (x == k_splits - 1))
-        _write_new(kout_ref, vout_ref, wpage_ref[b] + base, woff_ref[b], heads,
-                   [[(pl.ds(0, H), k)] for k in new_k], new_v, k_splits, x)
     _store(out_refs, rows_R, o_RH, m_R, l_R, split)
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_block", "k_splits", "warps", "stages",
                                              "kv_per_program", "interpret"))
-def paged_decode_attention(q_BNH, k_pages, v_pages, table_BM, kv_len_B, layer_base,
-                           new_k_BKH=None, new_v_BKH=None, write_page_B=None,
-                           write_offset_B=None, *, pages_per_block: int = 2, k_splits: int = 1,
-                           warps: int = 4, stages: int = 1, kv_per_program: int = 1,
-                           interpret: bool = False):
+def paged_decode_attention(q_BNH, k_pages, v_pages, table_BM, kv_len_B, layer_base, *,
+                           pages_per_block: int = 2, k_splits: int = 1, warps: int = 4,
+                           stages: int = 1, kv_per_program: int = 1, interpret: bool = False):
     """One query per row over its first `kv_len_B` cached tokens -> [B, N, H] in q's dtype.
 
     k_pages, v_pages: [K, L * P, page_size, H]; table_BM holds each row's pages of layer 0,
@@ -193,14 +145,7 @@ def paged_decode_attention(q_BNH, k_pages, v_pages, table_BM, kv_len_B, layer_ba
     over that many programs (a few long rows still fill the GPU); their partial results are
     combined here. `kv_per_program` kv heads share one program (0: `kv_heads_per_program`), so
     their query heads share one 16-row tile and one softmax pass instead of each padding its
-    own.
-
-    With the new token's key and value (`new_k_BKH`, `new_v_BKH`, and where they go:
-    `write_page_B` / `write_offset_B`, pages of layer 0) the kernel also writes them into the
-    pool, in place, and attends to them from registers: `kv_len_B` then counts the new token
-    too, and the result is (out, k_pages, v_pages). That replaces `write_kv`'s two scatters a
-    layer. One kv head a program only: a pool handed to J programs' specs J times could not
-    be written in place."""
+    own."""
     B, N, H = q_BNH.shape
     K, LP, page_size, Hk = k_pages.shape
     M = table_BM.shape[1]
@@ -209,74 +154,27 @@ def paged_decode_attention(q_BNH, k_pages, v_pages, table_BM, kv_len_B, layer_ba
     G = N // K
     J = _check_launch(N, K, H, page_size, M, pages_per_block, k_splits, kv_per_program,
                       interpret)
-    writes = new_k_BKH is not None
-    if writes and J != 1:
-        raise ValueError(f"the kernel writes the new token with one kv head a program, got "
-                         f"kv_per_program={kv_per_program} ({J} kv heads)")
     split = k_splits > 1
     kernel = functools.partial(_kernel, G=G, J=J, pages_per_block=pages_per_block,
-                               pages_per_split=M // k_splits, scale=1.0 / H ** 0.5, split=split,
-                               writes=writes, k_splits=k_splits)
+                               pages_per_split=M // k_splits, scale=1.0 / H ** 0.5, split=split)
     head = lambda j: pl.BlockSpec((None, LP, page_size, H),  # noqa: E731
                                   lambda b, g, x: (g * J + j, 0, 0, 0))
     whole = lambda shape: pl.BlockSpec(shape, lambda b, g, x: (0,) * len(shape))  # noqa: E731
-    row = lambda shape: pl.BlockSpec((None, *shape), lambda b, g, x: (b,) + (0,) * len(shape))  # noqa: E731,E501
-    operands = [jnp.asarray(layer_base, jnp.int32).reshape(1), kv_len_B.astype(jnp.int32),
-                table_BM.astype(jnp.int32), q_BNH, *(k_pages,) * J, *(v_pages,) * J]
-    in_specs = [whole((1,)), whole((B,)), row((M,)), row((N, H)),
+    in_specs = [whole((1,)), whole((B,)),
+                pl.BlockSpec((None, M), lambda b, g, x: (b, 0)),
+                pl.BlockSpec((None, N, H), lambda b, g, x: (b, 0, 0)),
                 *(head(j) for j in range(J)), *(head(j) for j in range(J))]
     out_shape, out_specs = _attention_outputs(B, N, H, k_splits, q_BNH.dtype)
-    n_out, aliases = len(out_shape), {}
-    if writes:
-        operands += [new_k_BKH, new_v_BKH, write_page_B.astype(jnp.int32),
-                     write_offset_B.astype(jnp.int32)]
-        in_specs += [row((K, H)), row((K, H)), whole((B,)), whole((B,))]
-        out_shape += [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                      jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)]
-        out_specs += [whole(k_pages.shape), whole(v_pages.shape)]
-        aliases = {4: n_out, 5: n_out + 1}       # J == 1: k_pages, v_pages are operands 4, 5
     outs = pl.pallas_call(
         kernel, grid=(B, K // J, k_splits), in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, interpret=interpret, input_output_aliases=aliases,
+        out_shape=out_shape, interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         name=f"lrl_paged_decode_{pages_per_block}x{page_size}",
-    )(*operands)
-    out = outs[0] if not split else _combine_splits(*outs[:3], q_BNH.dtype)
-    return (out, outs[n_out], outs[n_out + 1]) if writes else out
-
-
-def _write_token_kernel(base_ref, page_ref, off_ref, k_ref, v_ref, kp_in, vp_in, kp_out,
-                        vp_out):
-    """Program b: row b's new key and value, every kv head, at its (page, offset)."""
-    del kp_in, vp_in                                  # aliased to kp_out, vp_out
-    b = pl.program_id(0)
-    page, offset = page_ref[b] + base_ref[0], off_ref[b]
-    for h in range(k_ref.shape[0]):
-        kp_out[h, page, offset, :] = k_ref[h, :].astype(kp_out.dtype)
-        vp_out[h, page, offset, :] = v_ref[h, :].astype(vp_out.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def write_new_token(k_pages, v_pages, k_BKH, v_BKH, page_B, offset_B, layer_base, *,
-                    interpret: bool = False):
-    """A decode step's new key and value into the pool, in place, in one launch: what
-    `paged_attention.write_kv` does in two XLA scatters. `page_B` holds pages of layer 0,
-    `layer_base` is added; idle rows aim at the null page, where they may collide."""
-    B, K, H = k_BKH.shape
-    whole = lambda shape: pl.BlockSpec(shape, lambda b: (0,) * len(shape))  # noqa: E731
-    row = pl.BlockSpec((None, K, H), lambda b: (b, 0, 0))
-    return pl.pallas_call(
-        _write_token_kernel, grid=(B,),
-        in_specs=[whole((1,)), whole((B,)), whole((B,)), row, row, whole(k_pages.shape),
-                  whole(v_pages.shape)],
-        out_specs=[whole(k_pages.shape), whole(v_pages.shape)],
-        out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-        input_output_aliases={5: 0, 6: 1}, interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
-        name="lrl_write_new_token",
-    )(jnp.asarray(layer_base, jnp.int32).reshape(1), page_B.astype(jnp.int32),
-      offset_B.astype(jnp.int32), k_BKH, v_BKH, k_pages, v_pages)
+    )(jnp.asarray(layer_base, jnp.int32).reshape(1), kv_len_B.astype(jnp.int32),
+      table_BM.astype(jnp.int32), q_BNH, *(k_pages,) * J, *(v_pages,) * J)
+    if not split:
+        return outs[0]
+    return _combine_splits(*outs, q_BNH.dtype)
 
 
 def _check_launch(N: int, K: int, H: int, page_size: int, M: int, pages_per_block: int,
@@ -385,14 +283,30 @@ def _fused_kernel(base_ref, len_ref, table_ref, y_ref, *refs, G: int, J: int, N:
                                    x, R, H, page_size, pages_per_block, pages_per_split)
     # The new token, in the last split only: its score against every q row, then one more
     # online-softmax step.
+    take = (length > 0) & (x == k_splits - 1)
     s_R = sum((q_by_head[j][0].astype(f32) * new_k[j][0].astype(f32)[None, :]).sum(-1)
               + (q_by_head[j][1].astype(f32) * new_k[j][1].astype(f32)[None, :]).sum(-1)
               for j in range(J))
-    o_RH, m_R, l_R = _with_new_token(o_RH, m_R, l_R, s_R, new_v, head_R1,
-                                     (length > 0) & (x == k_splits - 1))
-    _store(out_refs, rows_R, o_RH, m_R, l_R, split)
-    _write_new(kout_ref, vout_ref, wpage_ref[b] + base, woff_ref[b], heads,
-               [[(lo, k_lo), (hi, k_hi)] for k_lo, k_hi in new_k], new_v, k_splits, x)
+    s_R = jnp.where(take, s_R, _MASK)
+    m_new = jnp.maximum(m_R, s_R)
+    correction = jnp.exp(m_R - m_new)
+    p_R = jnp.where(take, jnp.exp(s_R - m_new), 0.0)
+    v_RH = jnp.broadcast_to(new_v[0].astype(f32)[None, :], (R, H))
+    for j in range(1, J):
+        v_RH = jnp.where(head_R1 == j, new_v[j].astype(f32)[None, :], v_RH)
+    o_RH = o_RH * correction[:, None] + p_R[:, None] * v_RH
+    _store(out_refs, rows_R, o_RH, m_new, l_R * correction + p_R, split)
+
+    def write():
+        page, offset = wpage_ref[b] + base, woff_ref[b]
+        for j, hj in enumerate(heads):
+            kout_ref[hj, page, offset, lo] = new_k[j][0]
+            kout_ref[hj, page, offset, hi] = new_k[j][1]
+            vout_ref[hj, page, offset, :] = new_v[j]
+    if k_splits == 1:
+        write()
+    else:
+        pl.when(x == k_splits - 1)(write)
 
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "eps", "pages_per_block", "k_splits",

@@ -57,11 +57,6 @@ class EngineConfig:
     # step with 4 pages a block, 3.95 with 8 and 4.16-4.17 with 16, against 3.82-3.88 unfused
     # (BENCHMARKS.md).
     fused_decode: bool = False
-    # How a decode step writes the new token's key and value with pallas_gqa
-    # (`paged_attention.write_and_attend`): "xla" (two scatters a layer), "pallas" (one small
-    # kernel) or "attention" (the attention kernel). On the H200 at 256 slots: 3.77-3.82 ms a
-    # step with "xla", 3.80-3.85 with "pallas", 4.40-4.50 with "attention".
-    kv_write: str = "xla"
 
     def __post_init__(self):
         for name in ("prefill_chunk", "min_prefill_bucket"):
@@ -83,8 +78,6 @@ class EngineConfig:
         if self.pallas_kv_per_program < 0:
             raise ValueError(f"pallas_kv_per_program must be >= 0 (0: automatic), got "
                              f"{self.pallas_kv_per_program}")
-        if self.kv_write not in pa.KV_WRITES:
-            raise ValueError(f"kv_write={self.kv_write!r}; choose one of {pa.KV_WRITES}")
         if self.attention_impl not in (None, *pa.IMPLS, *(f"{k}_interpret" for k in pa.PALLAS)):
             raise ValueError(f"attention_impl={self.attention_impl!r}; choose None or {pa.IMPLS}")
 
@@ -123,14 +116,12 @@ def _embed(cfg, params, tokens):
 
 
 def run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT, attend,
-               unroll=1, mesh=None, pool_sharding=None, attend_writes=False):
+               unroll=1, mesh=None, pool_sharding=None):
     """The training Block's two halves around a paged write and a paged attention. Stacked
     layers (the training layout) are scanned; a tuple of layers (`weights.decode_params`)
     is unrolled, so no layer is sliced out of a stack inside the step. With a mesh (the
     sequence-parallel prefill), activations keep the training layout between layers and the
-    pool keeps `pool_sharding`. `attend(q, k, v, k_pages, v_pages, base)` -> the attention,
-    after `write_kv` has written k and v; with `attend_writes` it writes them itself and
-    returns (attention, k_pages, v_pages)."""
+    pool keeps `pool_sharding`."""
     P = k_pages.shape[1] // cfg.n_layers
     block = Block(cfg, mesh)
 
@@ -143,14 +134,11 @@ def run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT,
         else:
             q, k, v = block.apply({"params": layer_p}, x, pos_BT, method=Block.qkv)
         base = layer * P
-        if attend_writes:
-            attn, kp, vp = attend(q, k, v, kp, vp, base)
-        else:
-            kp, vp = pa.write_kv(kp, vp, k, v, page_BT + base, offset_BT)
-            if pool_sharding is not None:
-                kp = jax.lax.with_sharding_constraint(kp, pool_sharding)
-                vp = jax.lax.with_sharding_constraint(vp, pool_sharding)
-            attn = attend(q, k, v, kp, vp, base)
+        kp, vp = pa.write_kv(kp, vp, k, v, page_BT + base, offset_BT)
+        if pool_sharding is not None:
+            kp = jax.lax.with_sharding_constraint(kp, pool_sharding)
+            vp = jax.lax.with_sharding_constraint(vp, pool_sharding)
+        attn = attend(q, k, v, kp, vp, base)
         if "gate_up" in layer_p:
             x = block.apply({"params": layer_p}, x, attn, layer_p["gate_up"],
                             method=_finish_fused)
@@ -276,10 +264,8 @@ def _decode_step(cfg, ecfg, params, state: DecodeState, rng):
     kv_len_B = jnp.where(live, state.lengths + 1, 0)
 
     def attend(q, k, v, kp, vp, base):
-        return pa.write_and_attend(q, k, v, kp, vp, page_B1, offset_B1, state.page_table,
-                                   kv_len_B, base, impl=ecfg.attention_impl,
-                                   kv_write=ecfg.kv_write,
-                                   pages_per_block=ecfg.decode_block_pages,
+        return pa.decode_attention(q, kp, vp, state.page_table, kv_len_B, base,
+                                   impl=ecfg.attention_impl, pages_per_block=ecfg.decode_block_pages,
                                    k_splits=ecfg.pallas_k_splits, warps=ecfg.pallas_warps,
                                    stages=ecfg.pallas_stages,
                                    kv_per_program=ecfg.pallas_kv_per_program)
@@ -291,7 +277,7 @@ def _decode_step(cfg, ecfg, params, state: DecodeState, rng):
                                   offset_B1[:, 0], kv_len_B)
     else:
         x, kp, vp = run_layers(cfg, params, x, rope_B1, state.k_pages, state.v_pages, page_B1,
-                               offset_B1, attend, ecfg.layer_unroll, attend_writes=True)
+                               offset_B1, attend, ecfg.layer_unroll)
     norm = RMSNorm(eps=cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     x = norm.apply({"params": params["final_norm"]}, x)
     logits_BV = logits_from_hidden(x, unembedding(cfg, params))[:, 0]
