@@ -355,6 +355,7 @@ def test_generate_with_the_gqa_kernel_equals_xla(tiny, kv_per_program):
     got = rollout.generate(cfg, params, prompts, attention_impl="pallas_gqa_interpret",
                            pallas_kv_per_program=kv_per_program, stats=stats, **kw)
     assert stats["attention_impl"] == "pallas_gqa_interpret" and not stats["attention_fallback"]
+    assert stats["sampling_impl"] == "pallas_interpret"    # the sampler's kernel follows
     for a, b in zip(want, got):
         for (ta, la), (tb, lb) in zip(a, b):
             np.testing.assert_array_equal(ta, tb)

@@ -74,7 +74,8 @@ def kernel_kwargs(a) -> dict:
     given = dict(attention_impl=a.attention, decode_block_pages=a.decode_block_pages,
                  fused_decode=True if a.fused_decode else None,
                  pallas_k_splits=a.k_splits, pallas_warps=a.pallas_warps,
-                 pallas_stages=a.pallas_stages, pallas_kv_per_program=a.kv_per_program)
+                 pallas_stages=a.pallas_stages, pallas_kv_per_program=a.kv_per_program,
+                 sampling_impl=a.sampling)
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -112,7 +113,8 @@ def bench_case(cfg, params, spec, a, wbytes):
                 new_tok_s=new / total, decode_tok_s=new / stats["decode_s"],
                 step_ms=step_s * 1e3, roofline_ms=roof_s * 1e3, roofline_frac=roof_s / step_s,
                 weight_gb=wbytes / 1e9, live_kv_gb=kv_bytes / 1e9, first_run_s=t_compile,
-                attention=stats["attention_impl"], fallback=stats["attention_fallback"])
+                attention=stats["attention_impl"], sampling=stats["sampling_impl"],
+                fallback=stats["attention_fallback"])
 
 
 def bench_shared(cfg, params, spec, a):
@@ -174,6 +176,8 @@ def main():
                     help="the decode kernel also rotates q/k and writes the pages")
     ap.add_argument("--attention", default=None,
                     help="decode attention: pallas_gqa | pallas | xla (default: generate's)")
+    ap.add_argument("--sampling", default=None,
+                    help="the sampler's pass over the logits: pallas | xla (default: generate's)")
     a = ap.parse_args()
     cases = (a.cases if a.cases is not None else
              "4x16x8,8x16x8,2x64x8" if a.smoke else "64x512x256,256x512x256,16x8192x256")
@@ -202,7 +206,7 @@ def main():
         print(json.dumps(r), flush=True)
         rows.append(r)
     if rows:
-        print(f"decode attention: {rows[0]['attention']}"
+        print(f"decode attention: {rows[0]['attention']}, sampling: {rows[0]['sampling']}"
               + (f" (Pallas fell back: {rows[0]['fallback']})" if rows[0]["fallback"] else ""))
     shared_row = bench_shared(cfg, params, shared, a) if shared else None
     if shared_row:

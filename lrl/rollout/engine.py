@@ -103,7 +103,11 @@ class Engine:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, mesh=None):
         self.cfg = cfg.replace(remat="none")
         impl = ecfg.attention_impl or pa.default_impl(mesh)
-        self.ecfg = dataclasses.replace(ecfg, attention_impl=impl)
+        kernel = impl.removesuffix("_interpret") in pa.PALLAS
+        sampling = ecfg.sampling_impl or ("xla" if not kernel else
+                                          "pallas_interpret" if impl.endswith("_interpret")
+                                          else "pallas")
+        self.ecfg = dataclasses.replace(ecfg, attention_impl=impl, sampling_impl=sampling)
         self.mesh = mesh
         self.pool = PagePool(ecfg.num_pages)
         self.slot_pages: list[Optional[list[int]]] = [None] * ecfg.max_slots
@@ -302,9 +306,11 @@ class Engine:
         """-> (decode_state, StepOutput [num_steps, S]) for every live slot. `params` in the
         training layout work too, slower: prefer `decode_params(params)`, once per rollout.
 
-        If the Pallas kernel fails to lower (an unsupported shape or jax version), the engine
-        warns once and continues with the XLA path; `self.fallback` says why."""
-        if self.ecfg.attention_impl not in pa.PALLAS or self._pallas_ok:
+        If a Pallas kernel (attention or sampling) fails to lower (an unsupported shape or jax
+        version), the engine warns once and continues with the XLA paths; `self.fallback` says
+        why."""
+        on_gpu = self.ecfg.attention_impl in pa.PALLAS or self.ecfg.sampling_impl == "pallas"
+        if not on_gpu or self._pallas_ok:
             return decode_steps(self.cfg, self.ecfg, params, decode_state, rng,
                                 num_steps=num_steps)
         try:   # lowering errors surface before dispatch, so the donated state is intact
@@ -313,9 +319,9 @@ class Engine:
             self._pallas_ok = True
         except Exception as e:  # noqa: BLE001
             self.fallback = f"{type(e).__name__}: {e}"[:500]
-            warnings.warn(f"Pallas paged attention failed to compile, using the XLA path: "
+            warnings.warn(f"Pallas kernels failed to compile, using the XLA paths: "
                           f"{self.fallback}")
-            self.ecfg = dataclasses.replace(self.ecfg, attention_impl="xla")
+            self.ecfg = dataclasses.replace(self.ecfg, attention_impl="xla", sampling_impl="xla")
         return decode_steps(self.cfg, self.ecfg, params, decode_state, rng, num_steps=num_steps)
 
     def free(self, decode_state: DecodeState, slots) -> DecodeState:

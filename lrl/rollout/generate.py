@@ -81,7 +81,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
              decode_block_pages: int = 4, prefill_block_pages: Optional[int] = None,
              pallas_k_splits: Optional[int] = None, pallas_warps: int = 4,
              pallas_stages: int = 1, pallas_kv_per_program: int = 1, layer_unroll: int = 1,
-             fused_decode: bool = False,
+             fused_decode: bool = False, sampling_impl: Optional[str] = None,
              mesh=None, stats: Optional[dict] = None,
              prompt_embeds: Optional[Sequence] = None,
              prompt_positions: Optional[Sequence] = None,
@@ -98,6 +98,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     `pallas_kv_per_program`, for attention_impl="pallas_gqa", the kv heads one program takes;
     `fused_decode` lets that kernel also add the qkv bias, apply q/k norm and RoPE and write
     the new token's key and value (EngineConfig.fused_decode; off, slower on the H200).
+    `sampling_impl` (None: our Pallas kernel where attention uses one, else XLA) takes the
+    blocks' masses for temperature sampling (EngineConfig.sampling_impl).
     `prefill_batch_tokens` caps the tokens of one prefill call that batches short prompts of
     one length bucket; `prefill_chunk` is the longest call for one long prompt.
     `prefill_fn(engine, params, state, prefixes) -> state` replaces `engine.run_prefill`, e.g.
@@ -135,7 +137,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         pallas_k_splits=pallas_k_splits or _k_splits(S, cfg.n_kv_heads // kv_heads_per_program(
             cfg.n_heads, cfg.n_kv_heads, pallas_kv_per_program)),
         pallas_warps=pallas_warps, pallas_stages=pallas_stages,
-        pallas_kv_per_program=pallas_kv_per_program, fused_decode=fused_decode)
+        pallas_kv_per_program=pallas_kv_per_program, fused_decode=fused_decode,
+        sampling_impl=sampling_impl)
     engine = Engine(cfg, ecfg, mesh)
     for i, p in enumerate(prompts):
         engine.check_fits(len(p), max_new_tokens, what=f"prompt {i}")
@@ -258,6 +261,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         stats.update(dict(st), prefill_s=t_prefill, decode_s=t_decode, num_pages=ecfg.num_pages,
                      slots=S, attention_impl=engine.ecfg.attention_impl,
                      attention_fallback=engine.fallback,
+                     sampling_impl=engine.ecfg.sampling_impl,
                      pages_allocated=engine.pool.allocated_total,
                      pages_unshared=sum(G * pages_for(len(p) + max_new_tokens - 1, page_size)
                                         for p in prompts),

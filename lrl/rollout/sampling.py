@@ -16,6 +16,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from lrl.rollout import sample_kernel
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -68,25 +70,41 @@ def _block_size(V: int) -> int:
     return best if best >= 64 or best == V else 1024
 
 
-def draw(x_BV, keys_B, block: int = 0):
+def _kernel_block(V: int) -> int:
+    """Tokens per block for `sample_kernel.block_stats`: the largest power of two up to 1024
+    that divides V (Qwen: 128, Llama 3: 256), or 0 below 64 (the XLA path then)."""
+    block = min(V & -V, 1024)
+    return block if block >= 64 else 0
+
+
+def draw(x_BV, keys_B, block: int = 0, stats=None):
     """-> (tokens int32 [B], log-probs float32 [B]): one draw per row from softmax(x), by
     inverse CDF over two levels: one uniform per row picks a block of tokens by the blocks'
     cumulative mass, then a token inside it. It reads the [B, V] logits twice (max, then
-    per-block sums of exp) where jax.random.categorical draws V Gumbel variables a row: at
-    256 rows of 151,936 that was 0.27 ms of a 4.3 ms decode step on the H200.
+    per-block sums of exp), or once for the chosen blocks given their `stats` (see
+    `invert_cdf`), where jax.random.categorical draws V Gumbel variables a row: at 256 rows
+    of 151,936 that was 0.27 ms of a 4.3 ms decode step on the H200.
     Tokens at -inf (filtered out) have no mass and are never drawn."""
-    return invert_cdf(x_BV, jax.vmap(jax.random.uniform)(keys_B), block)
+    return invert_cdf(x_BV, jax.vmap(jax.random.uniform)(keys_B), block, stats)
 
 
-def invert_cdf(x_BV, u_B, block: int = 0):
-    """`draw` for given uniforms u in [0, 1): the token where u * (total mass) falls."""
+def invert_cdf(x_BV, u_B, block: int = 0, stats=None):
+    """`draw` for given uniforms u in [0, 1): the token where u * (total mass) falls.
+    `stats`: the blocks' (max, sum of exp against it) of x, [B, X] each, when a kernel has
+    already taken them (`sample_kernel.block_stats`); x is then read only for the chosen
+    block of each row."""
     B, V = x_BV.shape
     block = block or _block_size(V)
     nb = -(-V // block)
     x = x_BV if nb * block == V else jnp.pad(x_BV, ((0, 0), (0, nb * block - V)),
                                              constant_values=-jnp.inf)
-    m_B1 = x.max(axis=-1, keepdims=True)
-    mass_BX = jnp.exp(x - m_B1).reshape(B, nb, block).sum(axis=-1)
+    if stats is None:
+        m_B1 = x.max(axis=-1, keepdims=True)
+        mass_BX = jnp.exp(x - m_B1).reshape(B, nb, block).sum(axis=-1)
+    else:   # each block's max and sum of exp against it, put on the row's max here
+        m_BX, s_BX = stats
+        m_B1 = m_BX.max(axis=-1, keepdims=True)
+        mass_BX = s_BX * jnp.exp(m_BX - m_B1)
     cum_BX = jnp.cumsum(mass_BX, axis=-1)
     u_B1 = u_B[:, None] * cum_BX[:, -1:]
     # The counts below land on a token with mass except at the edges, where rounding can put
@@ -107,11 +125,30 @@ def invert_cdf(x_BV, u_B, block: int = 0):
     return tokens_B, logp_B
 
 
-def sample(logits_BV, keys_B, sp: SamplingParams):
-    """-> (tokens int32 [B], log-probs float32 [B]) of one draw per row."""
+IMPLS = ("xla", "pallas", "pallas_interpret")
+
+
+def sample(logits_BV, keys_B, sp: SamplingParams, impl: str = "xla"):
+    """-> (tokens int32 [B], log-probs float32 [B]) of one draw per row. impl "pallas" takes
+    the blocks' masses in one read of the logits by our kernel (GPU; "pallas_interpret" runs
+    it in the Pallas interpreter), "xla" in two XLA reductions. Both invert the same CDF with
+    the same uniforms, so they draw the same tokens but where rounding moves a boundary."""
+    if impl not in IMPLS:
+        raise ValueError(f"sampling impl {impl!r}; choose one of {IMPLS}")
     logits_BV = logits_BV.astype(jnp.float32)
     if not sp.greedy:
-        return draw(filter_logits(logits_BV, sp), keys_B)
+        x_BV = filter_logits(logits_BV, sp)
+        block = _kernel_block(x_BV.shape[-1])
+        if impl == "xla" or not block:
+            return draw(x_BV, keys_B)
+        # Unfiltered, the kernel reads the logits and divides by the temperature itself, so
+        # that the scaled copy is never written; the filters write theirs anyway.
+        filtered = 0 < sp.top_k < x_BV.shape[-1] or sp.top_p < 1.0
+        stats = sample_kernel.block_stats(
+            x_BV if filtered else logits_BV, block=block,
+            temperature=1.0 if filtered else sp.temperature,
+            interpret=impl == "pallas_interpret")
+        return draw(x_BV, keys_B, block, stats)
     tokens_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
     return tokens_B, jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]

@@ -21,6 +21,7 @@ from lrl.models.layers import RMSNorm, rope_angles
 from lrl.rollout import paged_attention as pa
 from lrl.rollout import paged_kernel
 from lrl.rollout.pages import NULL_PAGE, page_of, pages_for
+from lrl.rollout.sampling import IMPLS as SAMPLING_IMPLS
 from lrl.rollout.sampling import SamplingParams, sample, sample_keys
 from lrl.rollout.weights import is_decode_layout
 
@@ -39,6 +40,11 @@ class EngineConfig:
     eos_ids: tuple[int, ...] = ()    # tokens that end a sample (kept in its output)
     sampling: SamplingParams = SamplingParams()
     attention_impl: Optional[str] = None  # None: pallas_gqa on one GPU, else XLA
+    # The sampler's pass over the logits: None follows attention_impl, "pallas" with a Pallas
+    # kernel ("pallas_interpret" with the interpreted one), else "xla". On the H200 at 256
+    # slots our kernel read the logits in 47.5 µs a step where XLA's two reductions took 81,
+    # and steps took 3.74-3.80 ms against 3.77-3.88 (BENCHMARKS.md).
+    sampling_impl: Optional[str] = None
     # Decode kernel launch, measured on the H200 at 256 slots x 640 tokens (Qwen2.5-1.5B
     # shapes): a layer's attention took 52.2 µs in our kernel with 4 pages a block, 4 warps,
     # 1 stage and one kv head a program; jax's kernel took 83.4 µs at its defaults (8 pages,
@@ -80,6 +86,9 @@ class EngineConfig:
                              f"{self.pallas_kv_per_program}")
         if self.attention_impl not in (None, *pa.IMPLS, *(f"{k}_interpret" for k in pa.PALLAS)):
             raise ValueError(f"attention_impl={self.attention_impl!r}; choose None or {pa.IMPLS}")
+        if self.sampling_impl not in (None, *SAMPLING_IMPLS):
+            raise ValueError(f"sampling_impl={self.sampling_impl!r}; choose None or "
+                             f"{SAMPLING_IMPLS}")
 
     @property
     def pages_per_slot(self) -> int:
@@ -282,7 +291,7 @@ def _decode_step(cfg, ecfg, params, state: DecodeState, rng):
     x = norm.apply({"params": params["final_norm"]}, x)
     logits_BV = logits_from_hidden(x, unembedding(cfg, params))[:, 0]
     keys = sample_keys(rng, state.sample_ids, state.steps)
-    tok_B, logp_B = sample(logits_BV, keys, ecfg.sampling)
+    tok_B, logp_B = sample(logits_BV, keys, ecfg.sampling, ecfg.sampling_impl or "xla")
     stop = (jnp.isin(tok_B, jnp.asarray(ecfg.eos_ids, jnp.int32)) if ecfg.eos_ids
             else jnp.zeros_like(live))
     remaining = state.remaining - live
