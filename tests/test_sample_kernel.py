@@ -41,6 +41,8 @@ def test_block_stats_reject_a_block_that_does_not_tile():
         sample_kernel.block_stats(jnp.zeros((2, 100)), block=64)
     with pytest.raises(ValueError, match="power of two"):
         sample_kernel.block_stats(jnp.zeros((2, 96)), block=48)
+    with pytest.raises(ValueError, match="per_program must be a power of two, got 12"):
+        sample_kernel.block_stats(jnp.zeros((2, 128)), block=64, per_program=12)
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (50, 1.0), (0, 0.8)])

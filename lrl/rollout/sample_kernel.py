@@ -45,6 +45,8 @@ def block_stats(x_BV, *, block: int, temperature: float = 1.0, per_program: int 
     B, V = x_BV.shape
     if block & (block - 1) or V % block:
         raise ValueError(f"block_stats: block {block} must be a power of two dividing V={V}")
+    if per_program < 1 or per_program & (per_program - 1):
+        raise ValueError(f"block_stats: per_program must be a power of two, got {per_program}")
     X = V // block
     per_program = min(per_program, 1 << (X.bit_length() - 1))   # a power of two, at most X
     kernel = functools.partial(_kernel, n_blocks=X, per_program=per_program,
