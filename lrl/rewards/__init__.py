@@ -6,7 +6,18 @@ weighted combinations, and a process pool that scores with per-call timeouts.
     pool = lrl.rewards.RewardPool("math:1,format:0.1", num_workers=8, timeout_s=10)
     rewards, stats = pool.score([(completion, answer, meta), ...])
 """
+from lrl.rewards import format, match, math, synthetic, video
 from lrl.rewards.pool import RewardPool
 from lrl.rewards.registry import Term, combine, get, names, parse_spec, register, terms_of
+
+# The built-in rewards, registered here by name (worker processes import this package, so
+# they find the same names). Their modules only define the functions.
+register("math")(math.math_reward)
+register("format")(format.format_reward)
+register("exact")(match.exact_reward)
+register("regex")(match.regex_reward)
+register("choice")(match.choice_reward)
+register("synthetic")(synthetic.synthetic_reward)
+register("video")(video.video_reward)
 
 __all__ = ["RewardPool", "Term", "combine", "get", "names", "parse_spec", "register", "terms_of"]

@@ -6,12 +6,10 @@ prompt, so the completion starts mid-thought; `require_open=False` accepts that.
 from __future__ import annotations
 
 from lrl.rewards.math import last_boxed
-from lrl.rewards.registry import register
 
 OPEN, CLOSE = "<think>", "</think>"
 
 
-@register("format")
 def format_reward(completion: str, answer: str, *, require_boxed: bool = False,
                   require_open: bool = True, **meta) -> float:
     """1.0 if the completion is `<think>…</think>` then a non-empty answer, else 0.0.

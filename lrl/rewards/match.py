@@ -12,7 +12,6 @@ import re
 import unicodedata
 
 from lrl.rewards.math import last_boxed, last_boxed_span
-from lrl.rewards.registry import register
 
 _WS_RE = re.compile(r"\s+")
 
@@ -36,7 +35,6 @@ def _extract(completion: str, extract: str) -> str | None:
         f"exact reward: extract must be 'full', 'boxed' or 'last_line', got {extract!r}")
 
 
-@register("exact")
 def exact_reward(completion: str, answer: str, *, extract: str = "full", ignore_case: bool = False,
                  normalize_whitespace: bool = True, **meta) -> float:
     """1.0 if the (extracted) completion equals `answer` after normalisation, else 0.0.
@@ -60,7 +58,6 @@ def _compile(pattern: str, ignore_case: bool) -> re.Pattern:
         raise ValueError(f"regex reward: invalid pattern {pattern!r}: {e}") from None
 
 
-@register("regex")
 def regex_reward(completion: str, answer: str, *, pattern: str | None = None, mode: str = "search",
                  ignore_case: bool = False, **meta) -> float:
     """1.0 if `pattern` matches the completion, else 0.0.
@@ -145,7 +142,6 @@ def _gold_letter(answer: str) -> str:
     return m.group(1).upper()
 
 
-@register("choice")
 def choice_reward(completion: str, answer: str, *, choices: str = "ABCDEFGHIJ", **meta) -> float:
     """1.0 if the completion's final answer letter is the answer's letter, else 0.0."""
     gold = _gold_letter(answer)

@@ -21,7 +21,6 @@ import math_verify.grader
 import math_verify.parser
 from math_verify.errors import TimeoutException
 
-from lrl.rewards.registry import register
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _SCI_RE = re.compile(r"^([+-]?\d+(?:\.\d+)?)[eE]([+-]?\d+)$")
@@ -127,7 +126,6 @@ def math_equal(pred: str, gold: str, timeout_s: int | None = 5) -> bool:
         return False
 
 
-@register("math")
 def math_reward(completion: str, answer: str, *, timeout_s: int | None = 5, **meta) -> float:
     """1.0 if the completion's last \\boxed{} equals `answer` (math-verify), else 0.0."""
     pred = last_boxed(completion)

@@ -54,13 +54,11 @@ def register(name: str) -> Callable[[RewardFn], RewardFn]:
 
 def names() -> list[str]:
     """Sorted names of all registered rewards."""
-    _load_builtins()
     return sorted(_REGISTRY)
 
 
 def get(name: str, module: str | None = None) -> RewardFn:
     """The reward registered as `name`; `module` is imported first when the name is unknown."""
-    _load_builtins()
     if name not in _REGISTRY and module:
         importlib.import_module(module)
     try:
@@ -104,7 +102,6 @@ def terms_of(fn_or_spec) -> tuple[Term, ...]:
     if isinstance(fn_or_spec, functools.partial) and fn_or_spec.func is weighted_sum:
         return fn_or_spec.keywords["terms"]
     if callable(fn_or_spec):
-        _load_builtins()
         for name, fn in _REGISTRY.items():
             if fn is fn_or_spec:
                 return (Term(name, 1.0, (), fn.__module__),)
@@ -134,10 +131,3 @@ def weighted_sum(completion: str, answer: str, *, terms: Sequence[Term], **meta)
 def combine(spec) -> RewardFn:
     """A picklable reward computing the weighted sum of the spec's terms."""
     return functools.partial(weighted_sum, terms=parse_spec(spec))
-
-
-@functools.cache
-def _load_builtins() -> None:
-    # The built-in rewards register themselves on import; importing them lazily lets them
-    # import this module without a cycle. They must not call `get` at import time.
-    from lrl.rewards import format, match, math, synthetic  # noqa: F401

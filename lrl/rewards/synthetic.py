@@ -9,10 +9,8 @@ lenient scorer would reward a format the task does not ask for.
 from __future__ import annotations
 
 from lrl.rewards.math import last_boxed
-from lrl.rewards.registry import register
 
 
-@register("synthetic")
 def synthetic_reward(completion: str, answer: str, **meta) -> float:
     """1.0 if the last \\boxed{} of the completion holds exactly `answer`, else 0.0."""
     gold = str(answer).strip()

@@ -8,10 +8,8 @@ is loosened: "\\boxed{red shape}", "\\boxed{03}" or an unboxed "red" score 0.
 from __future__ import annotations
 
 from lrl.rewards.math import last_boxed
-from lrl.rewards.registry import register
 
 
-@register("video")
 def video_reward(completion: str, answer: str, **meta) -> float:
     """1.0 if the last \\boxed{} of the completion holds `answer` (case-insensitive), else 0.0."""
     gold = str(answer).strip().casefold()
