@@ -25,6 +25,7 @@ import ml_collections
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.job = "grpo"                  # "grpo" (optionally after an SFT warm start) or "sft"
+    c.task = "text"                 # "text" prompts, or "video" (configs/video_synthetic.py)
     c.seed = 0
 
     # --- the policy model -------------------------------------------------------------------
@@ -133,7 +134,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.reward.timeout_s = 10.0
 
     # --- rollout engine ---------------------------------------------------------------------
-    c.rollout = ml_collections.ConfigDict(dict(page_size=16, max_slots=128, pool_tokens=0))
+    c.rollout = ml_collections.ConfigDict(dict(
+        page_size=16, max_slots=128, pool_tokens=0,
+        sp_min_tokens=0))            # with ring/ulysses over seq > 1: prompts of at least this
+                                     # many tokens are prefilled sequence-parallel
 
     # --- evaluation, checkpoints, metrics -------------------------------------------------------
     c.eval = ml_collections.ConfigDict(dict(every=10, num_prompts=64, k=4, temperature=1.0))

@@ -10,20 +10,22 @@ and optimizer state (`model.param_shard_axes="fsdp,seq"`). Rows of
         --config.model.hf_path=/models/Qwen2.5-7B-Instruct \\
         --config.tokenizer.path=/models/Qwen2.5-7B-Instruct \\
         --config.data.paths=/data/longqa/train.jsonl --config.data.eval_paths=/data/longqa/test.jsonl
+
+Prompts of at least `rollout.sp_min_tokens` tokens are prefilled sequence-parallel too: each
+is split over the same 8 `seq` devices (ring attention) and its K/V written into the engine's
+pages; shorter ones take the engine's own prefill.
+
+Small variant for CPU (8 virtual devices): a tiny random model on the synthetic key-value
+retrieval task, ring attention over seq=2, the longer prompts prefilled sequence-parallel:
+
+    python -m lrl.main --config=configs/long_context_ring.py:runlocal --workdir=/tmp/lrl-ring
 """
-import os
-
-from lrl.experiment import config_from_file
-
-
-def _default():
-    return config_from_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"))
+from lrl import config_util
 
 
 def get_config(arg: str | None = None):
-    if arg:
-        raise ValueError(f"configs/long_context_ring.py takes no argument, got {arg!r}")
-    c = _default()
+    a = config_util.parse_arg(arg, runlocal=False)
+    c = config_util.load_sibling(__file__, "default.py")
     c.model.update(hf_path="", dtype="bfloat16", param_dtype="float32", attention="ring",
                    remat="save_attn",  # keeps each layer's ring output: no second ring
                    # fp32 masters, Adam moments and gradients are 16 bytes a parameter,
@@ -43,7 +45,25 @@ def get_config(arg: str | None = None):
     c.rl.loss.update(clip_low=0.2, clip_high=0.28, aggregation="token_mean")
     c.optim.update(lr=1e-6, warmup_steps=5, weight_decay=0.0, b2=0.999, clip_norm=1.0)
     c.reward.update(spec="exact:1.0", num_workers=8, timeout_s=10.0)
-    c.rollout.update(page_size=64, max_slots=64, pool_tokens=0)
+    c.rollout.update(page_size=64, max_slots=64, pool_tokens=0,
+                     sp_min_tokens=8192)   # prompts this long prefill over the 8 seq devices
     c.eval.update(every=20, num_prompts=64, k=4, temperature=0.6)
     c.checkpoint.update(every_steps=5, every_minutes=30.0, keep=3)
+    if a.runlocal:
+        c.model.update(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
+                       mlp_dim=64, dtype="float32", remat="none")
+        c.mesh.update(data=1, fsdp=-1, seq=2, tensor=1)
+        c.tokenizer.update(path="", vocab_size=320)
+        c.data.update(source="synthetic", task="kv_retrieval", max_prompt_len=256,
+                      eval_size=4)
+        c.data.task_kwargs.kv_retrieval.update(num_pairs=8, min_pairs=2)
+        # A random policy never ends within 8 tokens: masking overlong samples would train
+        # on nothing, so this smoke run keeps them.
+        c.rl.update(steps=2, prompts_per_step=4, group_size=2, max_new_tokens=8, row_len=256,
+                    dynamic_sampling=False, overlong="none", logprob_chunk=256)
+        c.reward.update(spec="synthetic:1.0", num_workers=0)
+        c.rollout.update(page_size=16, max_slots=8, sp_min_tokens=48)
+        c.eval.update(every=2, num_prompts=4, k=2, temperature=1.0)
+        c.checkpoint.update(every_steps=1, every_minutes=0.0, keep=2)
+        c.metrics.tensorboard = False
     return c

@@ -10,19 +10,14 @@ Rows of `{"problem": ..., "answer": ...}` (e.g. a MATH / DAPO-17k export); the r
 
 Use `:7b` (and the 7B paths) for Qwen2.5-7B-Instruct at 32K.
 """
-import os
-
-from lrl.experiment import config_from_file
+from lrl import config_util
 
 
-def _default():
-    return config_from_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"))
-
-
-def get_config(arg: str | None = "1.5b"):
+def get_config(arg: str | None = None):
+    arg = config_util.parse_arg(arg, size="1.5b").size
     if arg not in ("1.5b", "7b"):
         raise ValueError(f"configs/qwen2_5_math.py: argument {arg!r}; use '1.5b' or '7b'")
-    c = _default()
+    c = config_util.load_sibling(__file__, "default.py")
     c.model.update(hf_path="", dtype="bfloat16", param_dtype="float32", attention="dense",
                    remat="dots_attn" if arg == "1.5b" else "save_attn")
     c.tokenizer.path = ""                      # the model's own directory

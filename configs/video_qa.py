@@ -6,11 +6,11 @@ choices (multiple choice):
     {"video": "clips/0001.mp4", "question": "What does the person pick up?",
      "choices": ["a cup", "a book", "a phone", "a key"], "answer": "B"}
 
-Field names are configurable (`data.video_field`, `data.prompt_field`, `data.answer_field`,
-`data.choices_field`). With choices, the question lists them as "A. ...", "B. ..." and the
+Field names are configurable (`video.video_field`, `data.prompt_field`, `data.answer_field`,
+`video.choices_field`). With choices, the question lists them as "A. ...", "B. ..." and the
 answer (a letter, or the option's text) is scored by the `choice` reward; for open answers set
 `--config.reward.spec=math:1.0` (math-verify on the last \\boxed{}) or `exact:1.0`.
-Relative video paths are read against `data.video_root`, else the jsonl's directory. Rows
+Relative video paths are read against `video.video_root`, else the jsonl's directory. Rows
 that are malformed are reported by file and line, rows whose video is missing by file, line
 and path, videos that do not decode by path; all are skipped. The tokenizer is the model's
 own (`tokenizer.path` overrides it).
@@ -30,30 +30,23 @@ Small variant (a tiny random policy, a tokenizer trained on the jsonl's text; CP
     python -m lrl.main --config=configs/video_qa.py:runlocal --workdir=/tmp/video-qa-smoke \\
         --config.data.paths=/data/video_qa/tiny.jsonl
 """
-import os
-
-import ml_collections
-
-from lrl.experiment import config_from_file
+from lrl import config_util
 
 
 def get_config(arg: str | None = None):
-    c = config_from_file(os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                      "video_synthetic.py"))
-    c.video.update(source="jsonl", num_frames=64, min_tokens_per_frame=64,
-                   max_tokens_per_frame=256, cache_dir="", frame_axes="")
-    c.data = ml_collections.ConfigDict(dict(
-        paths="",                    # comma-separated jsonl files or globs
-        eval_paths="",               # held-out jsonl ("" = no evaluation)
-        video_field="video",         # a local video path (absolute, or relative: see video_root)
-        prompt_field="question",
-        answer_field="answer",
-        choices_field="choices",     # a list of options; rows without it are open questions
-        video_root="",               # relative video paths are read against this ("" = the
-                                     # jsonl's own directory)
-        system_prompt="",
-        instruction="Answer with \\boxed{...}.",
-        choice_instruction="Answer with the option's letter in \\boxed{}."))
+    a = config_util.parse_arg(arg, runlocal=False)
+    c = config_util.load_sibling(__file__, "video_synthetic.py")
+    c.data.update(source="jsonl",
+                  paths="",                    # comma-separated jsonl files or globs
+                  eval_paths="",               # held-out jsonl ("" = no evaluation)
+                  prompt_field="question", answer_field="answer", system_prompt="")
+    c.video.update(num_frames=64, min_tokens_per_frame=64, max_tokens_per_frame=256,
+                   cache_dir="", frame_axes="",
+                   video_field="video",        # a local video path (absolute, or relative:
+                                               # see video_root)
+                   choices_field="choices",    # a list of options; rows without it are open
+                   video_root="")              # relative video paths are read against this
+                                               # ("" = the jsonl's own directory)
     c.model.update(hf_path="", dtype="bfloat16", param_dtype="float32", attention="ring",
                    attention_impl="", remat="full",
                    param_shard_axes="fsdp,seq")  # 7B's masters and Adam over all 8 devices
@@ -69,7 +62,7 @@ def get_config(arg: str | None = None):
     c.rollout.update(page_size=16, max_slots=128, pool_tokens=0, sp_min_tokens=1024)
     c.eval.update(every=20, num_prompts=128, k=4, temperature=1.0)
     c.checkpoint.update(every_steps=10, every_minutes=30.0, keep=3)
-    if arg == "runlocal":  # a tiny random policy on CPU; data.paths must still be given
+    if a.runlocal:  # a tiny random policy on CPU; data.paths must still be given
         c.model.update(hf_path="", dtype="float32", attention="dense", remat="none")
         c.mesh.update(fsdp=-1, seq=1)
         c.tokenizer.vocab_size = 320
@@ -81,7 +74,4 @@ def get_config(arg: str | None = None):
         c.rollout.update(max_slots=16, sp_min_tokens=0)
         c.eval.update(every=2, num_prompts=2, k=2)
         c.checkpoint.update(every_steps=1, every_minutes=0.0, keep=2)
-    elif arg:
-        raise ValueError(f"configs/video_qa.py: unknown argument {arg!r}; use 'runlocal' or "
-                         "none")
     return c

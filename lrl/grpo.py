@@ -1,137 +1,183 @@
-"""The host-side half of a GRPO step: sample G completions per prompt, score them, shape and
-filter the rewards, turn them into advantages and pack everything into update rows.
+"""The host half of a GRPO step, as one function: `step(setup, state, it, i)` collects G
+samples per prompt (with dynamic sampling), scores and shapes them, turns rewards into
+advantages, keeps this process's share, packs update rows, cuts minibatches, takes the old
+and reference log-probs, and runs the updates. The device half (the jitted update and
+log-prob programs, the rollout engine) is built once by the loop and handed in as `Setup`.
 
-Every function takes plain arrays and lists and returns the same, so each stage of the step
-can be read, tested and swapped alone. The device-side half is `lrl.rl.update`.
+Each stage is a module-level function of plain values that returns new values (`Groups` is
+frozen), so the order of calls is the data flow below and each stage can be read, tested and
+swapped alone:
+
+    collect -> shape_overlong -> advantages -> process_share -> pack -> minibatches
+            -> old_and_ref_logps -> updates
 
 P prompts · G samples per prompt · B packed rows · T positions.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
-from dataclasses import dataclass, field
+import time
+from typing import Callable, Optional
 
+import jax
 import numpy as np
 
-from lrl import rl
-from lrl import rollout
+from lrl import distributed, rl, rollout
+from lrl import mesh as mesh_lib
 from lrl.data import packing
+from lrl.tasks import Prompt
+
+log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclasses.dataclass(frozen=True)
 class Groups:
     """P prompts with G completions each (row-major: sample g of prompt p is p*G + g)."""
-    prompt_ids: list            # [P] int32 arrays
-    answers: list               # [P]
-    metas: list                 # [P] dicts
-    completions: list           # [P*G] int32 arrays (ending with EOS when it finished)
-    logps: list                 # [P*G] float32 arrays: sampler log-probs of those tokens
+    prompts: tuple            # [P] Prompt
+    completions: tuple        # [P*G] int32 arrays (ending with EOS when it finished)
+    logps: tuple              # [P*G] float32 arrays: sampler log-probs of those tokens
     group_size: int
-    texts: list = field(default_factory=list)        # [P*G] decoded completions
-    rewards_PG: np.ndarray | None = None
-    truncated: np.ndarray | None = None              # [P*G] bool: hit max_new_tokens
+    truncated: np.ndarray     # [P*G] bool: hit max_new_tokens
+    texts: tuple = ()         # [P*G] decoded completions (after `score`)
+    rewards_PG: Optional[np.ndarray] = None
 
     @property
     def P(self) -> int:
-        return len(self.prompt_ids)
+        return len(self.prompts)
 
     def take(self, keep_P: np.ndarray) -> "Groups":
         G = self.group_size
-        flat = [p * G + g for p in np.flatnonzero(keep_P) for g in range(G)]
-        pick = lambda xs: [xs[i] for i in flat]  # noqa: E731
-        return Groups([self.prompt_ids[p] for p in np.flatnonzero(keep_P)],
-                      [self.answers[p] for p in np.flatnonzero(keep_P)],
-                      [self.metas[p] for p in np.flatnonzero(keep_P)],
-                      pick(self.completions), pick(self.logps), G, pick(self.texts),
-                      self.rewards_PG[keep_P], self.truncated[flat])
+        keep = np.flatnonzero(keep_P)
+        flat = [p * G + g for p in keep for g in range(G)]
+        pick = lambda xs: tuple(xs[i] for i in flat) if len(xs) else ()  # noqa: E731
+        return Groups(tuple(self.prompts[p] for p in keep), pick(self.completions),
+                      pick(self.logps), G, self.truncated[flat], pick(self.texts),
+                      None if self.rewards_PG is None else self.rewards_PG[keep])
 
     @staticmethod
     def concat(parts: list["Groups"]) -> "Groups":
-        first = parts[0]
-        cat = lambda name: [x for g in parts for x in getattr(g, name)]  # noqa: E731
-        return Groups(cat("prompt_ids"), cat("answers"), cat("metas"), cat("completions"),
-                      cat("logps"), first.group_size, cat("texts"),
-                      np.concatenate([g.rewards_PG for g in parts]),
-                      np.concatenate([g.truncated for g in parts]))
+        cat = lambda name: tuple(x for g in parts for x in getattr(g, name))  # noqa: E731
+        rewards = [g.rewards_PG for g in parts]
+        return Groups(cat("prompts"), cat("completions"), cat("logps"), parts[0].group_size,
+                      np.concatenate([g.truncated for g in parts]), cat("texts"),
+                      None if any(r is None for r in rewards) else np.concatenate(rewards))
 
 
-def sample(model_cfg, params, batch, *, group_size: int, rl_cfg, rollout_cfg, eos_ids,
-           seed: int, mesh=None, temperature: float | None = None, stats=None) -> Groups:
-    """Rollout: G samples of every prompt of a data batch."""
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What every GRPO step uses, built once where the loop is built."""
+    rl: object                    # options.RLOptions
+    rollout: object               # options.RolloutOptions
+    seed: int
+    task: object                  # lrl.tasks: prepare / update_inputs
+    tokenizer: object
+    model_cfg: object
+    mesh: object
+    eos_ids: tuple
+    pool: object                  # lrl.rewards.RewardPool
+    update: Callable              # jitted (state, batch, extra) -> (state, metrics)
+    logprobs: Optional[Callable]  # jitted (params, batch, extra) -> logp_BT, when needed
+    shards: int                   # data-parallel shards of the mesh (data x fsdp)
+    prefill: Optional[Callable] = None   # sequence-parallel prefill of long prompts
+    ref_params: object = None     # the frozen reference, when KL is on
+
+
+# ----------------------------------------------------------------------------- rollout
+
+def rollout_groups(s: Setup, params, prompts: list[Prompt], *, group_size: int, seed: int,
+                   temperature: Optional[float] = None, stats: Optional[dict] = None) -> Groups:
+    """G samples of every prompt."""
+    rl_ = s.rl
+    multimodal = prompts and prompts[0].embeds is not None
     outs = rollout.generate(
-        model_cfg, params, batch["prompt_ids"], max_new_tokens=rl_cfg.max_new_tokens,
+        s.model_cfg, params, [p.ids for p in prompts], max_new_tokens=rl_.max_new_tokens,
         num_samples=group_size,
-        temperature=rl_cfg.temperature if temperature is None else temperature,
-        top_k=rl_cfg.top_k, top_p=rl_cfg.top_p, eos_ids=tuple(eos_ids), seed=seed,
-        page_size=rollout_cfg.page_size, max_slots=rollout_cfg.max_slots,
-        pool_tokens=rollout_cfg.pool_tokens or None, mesh=mesh, stats=stats)
-    completions = [np.asarray(ids, np.int32) for per_prompt in outs for ids, _ in per_prompt]
-    logps = [np.asarray(lp, np.float32) for per_prompt in outs for _, lp in per_prompt]
-    eos = set(int(e) for e in eos_ids)
-    truncated = np.array([len(c) >= rl_cfg.max_new_tokens and (len(c) == 0 or int(c[-1]) not in eos)
-                          for c in completions])
-    metas = [dict(m or {}, task=t) for m, t in zip(batch["metadata"], batch["task"])]
-    return Groups(list(batch["prompt_ids"]), list(batch["answer"]), metas, completions, logps,
-                  group_size, truncated=truncated)
+        temperature=rl_.temperature if temperature is None else temperature,
+        top_k=rl_.top_k, top_p=rl_.top_p, eos_ids=s.eos_ids, seed=seed,
+        page_size=s.rollout.page_size, max_slots=s.rollout.max_slots,
+        pool_tokens=s.rollout.pool_tokens or None, mesh=s.mesh, stats=stats,
+        prompt_embeds=[p.embeds for p in prompts] if multimodal else None,
+        prompt_positions=[p.positions for p in prompts] if multimodal else None,
+        prefill_fn=s.prefill)
+    completions = tuple(np.asarray(ids, np.int32) for per in outs for ids, _ in per)
+    logps = tuple(np.asarray(lp, np.float32) for per in outs for _, lp in per)
+    eos = set(int(e) for e in s.eos_ids)
+    truncated = np.array([len(c) >= rl_.max_new_tokens and (len(c) == 0 or int(c[-1]) not in eos)
+                          for c in completions], bool)
+    return Groups(tuple(prompts), completions, logps, group_size, truncated)
 
 
-def score(groups: Groups, pool, tokenizer) -> dict:
+def score(groups: Groups, pool, tokenizer) -> tuple[Groups, dict]:
     """Rewards [P, G] from the host reward functions; failures score 0 and are counted."""
-    groups.texts = [tokenizer.decode(c, skip_special_tokens=True) for c in groups.completions]
+    texts = tuple(tokenizer.decode(c, skip_special_tokens=True) for c in groups.completions)
     G = groups.group_size
-    items = [(text, str(groups.answers[i // G]), groups.metas[i // G])
-             for i, text in enumerate(groups.texts)]
+    items = [(text, str(groups.prompts[i // G].answer), groups.prompts[i // G].meta)
+             for i, text in enumerate(texts)]
     rewards, stats = pool.score(items)
-    groups.rewards_PG = np.asarray(rewards, np.float32).reshape(groups.P, G)
-    return {f"reward/{k}": v for k, v in stats.items() if not k.startswith("term_mean")} | {
-        f"reward/{k}": v for k, v in stats.items() if k.startswith("term_mean")}
+    rewards_PG = np.asarray(rewards, np.float32).reshape(groups.P, G)
+    return (dataclasses.replace(groups, texts=texts, rewards_PG=rewards_PG),
+            {f"reward/{k}": v for k, v in stats.items()})
 
 
-def overlong_shaping(groups: Groups, rl_cfg) -> np.ndarray:
-    """DAPO's overlong handling. Returns a [P*G] loss weight (0 drops a sample's tokens):
-    "mask" drops truncated samples from the loss; "penalty" subtracts a penalty that ramps
-    from 0 to `overlong_penalty` over the last `overlong_buffer` tokens of the limit."""
-    weight = np.ones(len(groups.completions), np.float32)
-    if rl_cfg.overlong == "none":
-        return weight
-    if rl_cfg.overlong == "mask":
-        weight[groups.truncated] = 0.0
-        return weight
-    if rl_cfg.overlong == "penalty":
-        lengths = np.array([len(c) for c in groups.completions], np.float32)
-        start = rl_cfg.max_new_tokens - rl_cfg.overlong_buffer
-        ramp = np.clip((lengths - start) / max(rl_cfg.overlong_buffer, 1), 0.0, 1.0)
-        groups.rewards_PG = groups.rewards_PG - (rl_cfg.overlong_penalty * ramp).reshape(
-            groups.rewards_PG.shape).astype(np.float32)
-        return weight
-    raise ValueError(f"rl.overlong={rl_cfg.overlong!r}; choose none, mask or penalty")
+def sample_and_score(s: Setup, params, raw, *, group_size: int, seed: int,
+                     temperature: Optional[float] = None) -> tuple[Groups, dict]:
+    """A raw batch of the task's prompts -> scored Groups and the rollout's metrics."""
+    prompts, m = s.task.prepare(params, raw)
+    stats = {}
+    t0 = time.time()
+    groups = rollout_groups(s, params, prompts, group_size=group_size, seed=seed,
+                            temperature=temperature, stats=stats)
+    m["time/rollout_s"] = time.time() - t0
+    groups, reward_stats = score(groups, s.pool, s.tokenizer)
+    m.update(reward_stats)
+    m.update({f"rollout/{k}": v for k, v in stats.items() if np.isscalar(v)})
+    m["rollout/sp_prefill"] = float(s.prefill is not None)
+    return groups, m
+
+
+def collect(s: Setup, params, it, step: int) -> tuple[Groups, dict]:
+    """Rollout + rewards for one step, with DAPO dynamic sampling when configured: groups
+    whose rewards are all equal teach nothing, so more batches are drawn (up to
+    `rl.max_resample` more) until `rl.prompts_per_step` informative groups are in hand."""
+    rl_ = s.rl
+    parts, m, draws, seconds = [], {}, 0, 0.0
+    while True:
+        seed = s.seed * 1_000_003 + step * 101 + draws
+        groups, dm = sample_and_score(s, params, next(it), group_size=rl_.group_size,
+                                      seed=seed)
+        seconds += dm["time/rollout_s"]
+        if not draws:
+            m.update(dm)
+            m.update(rollout_metrics(groups))
+        m["time/rollout_s"] = seconds
+        draws += 1
+        if not rl_.dynamic_sampling:
+            return groups, m
+        keep = informative(groups.rewards_PG)
+        m.setdefault("groups/informative_frac", float(keep.mean()))
+        if keep.any():
+            parts.append(groups.take(keep))
+        if sum(p.P for p in parts) >= rl_.prompts_per_step or draws > rl_.max_resample:
+            break
+    if not parts:  # every group was uniform: learn nothing this step, but keep going
+        log.warning("dynamic sampling: all %d groups had equal rewards after %d draws",
+                    groups.P * draws, draws)
+        parts = [groups]
+    m["groups/draws"] = draws
+    merged = Groups.concat(parts)
+    keep_P = np.arange(merged.P) < rl_.prompts_per_step
+    m["groups/kept"] = int(keep_P.sum())
+    return merged.take(keep_P), m
 
 
 def informative(rewards_PG: np.ndarray) -> np.ndarray:
-    """DAPO dynamic sampling: a group whose rewards are all equal has zero advantage
-    everywhere and teaches nothing."""
+    """A group whose rewards are all equal has zero advantage everywhere."""
     return rewards_PG.max(axis=1) > rewards_PG.min(axis=1)
 
 
-def update_rows(groups: Groups, adv_PG: np.ndarray, weight: np.ndarray, *, row_len: int,
-                rows_multiple: int, use_sampler_logp: bool, min_rows: int = 0):
-    """Packs prompt+completion rows for the update; the loss mask covers completion tokens
-    (times the overlong weight). Returns (batch dict of [B, T] arrays, layout)."""
-    G = groups.group_size
-    prompts = [groups.prompt_ids[i // G] for i in range(len(groups.completions))]
-    token_values = {"completion_weight": [np.full(len(c), w, np.float32)
-                                          for c, w in zip(groups.completions, weight)]}
-    if use_sampler_logp:
-        token_values["old_logp"] = groups.logps
-    batch, layout = packing.pack(prompts, groups.completions, row_len,
-                                 seq_values={"advantages": adv_PG.reshape(-1)},
-                                 token_values=token_values, rows_multiple=rows_multiple,
-                                 min_rows=min_rows, truncate=True)
-    batch["loss_mask"] = batch["loss_mask"] * batch.pop("completion_weight")
-    return batch, layout
-
-
-def rollout_metrics(groups: Groups, eos_ids) -> dict:
+def rollout_metrics(groups: Groups) -> dict:
     lengths = np.array([len(c) for c in groups.completions], np.float32)
     r = groups.rewards_PG
     return {
@@ -144,6 +190,125 @@ def rollout_metrics(groups: Groups, eos_ids) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------- shaping
+
+def shape_overlong(groups: Groups, rl_) -> tuple[Groups, np.ndarray]:
+    """DAPO's overlong handling -> (groups, [P*G] loss weight; 0 drops a sample's tokens):
+    "mask" drops truncated samples from the loss; "penalty" subtracts a penalty from the
+    reward that ramps from 0 to `overlong_penalty` over the last `overlong_buffer` tokens of
+    the limit."""
+    weight = np.ones(len(groups.completions), np.float32)
+    if rl_.overlong == "none":
+        return groups, weight
+    if rl_.overlong == "mask":
+        weight[groups.truncated] = 0.0
+        return groups, weight
+    if rl_.overlong == "penalty":
+        lengths = np.array([len(c) for c in groups.completions], np.float32)
+        start = rl_.max_new_tokens - rl_.overlong_buffer
+        ramp = np.clip((lengths - start) / max(rl_.overlong_buffer, 1), 0.0, 1.0)
+        penalty = (rl_.overlong_penalty * ramp).reshape(groups.rewards_PG.shape)
+        return dataclasses.replace(groups, rewards_PG=(groups.rewards_PG - penalty).astype(
+            np.float32)), weight
+    raise ValueError(f"rl.overlong={rl_.overlong!r}; choose none, mask or penalty")
+
+
+def advantages(groups: Groups, estimator: str) -> np.ndarray:
+    return np.asarray(rl.advantages(groups.rewards_PG, estimator=estimator), np.float32)
+
+
+def process_share(P: int) -> np.ndarray:
+    """[P] bool: the prompts whose samples this process packs and feeds. Every process
+    sampled and scored the same global prompts."""
+    n, i = jax.process_count(), jax.process_index()
+    per = P // n
+    mine = np.zeros(P, bool)
+    mine[i * per:(i + 1) * per] = True
+    return mine
+
+
+# ----------------------------------------------------------------------------- update rows
+
+def pack(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray, *,
+         min_rows: int = 0):
+    """Packs prompt+completion rows for the update; the loss mask covers completion tokens
+    (times the overlong weight); the sampler's log-probs ride along as old log-probs when
+    they serve. The task adds its own row arrays. -> (rows, layout, forward extra)."""
+    rl_ = s.rl
+    G = groups.group_size
+    prompt_ids = [groups.prompts[i // G].ids for i in range(len(groups.completions))]
+    token_values = {"completion_weight": [np.full(len(c), w, np.float32)
+                                          for c, w in zip(groups.completions, weight)]}
+    if rl_.old_logp == "sampler":
+        token_values["old_logp"] = list(groups.logps)
+    rows, layout = packing.pack(prompt_ids, list(groups.completions), rl_.row_len,
+                                seq_values={"advantages": adv_PG.reshape(-1)},
+                                token_values=token_values,
+                                rows_multiple=rl_.minibatches * rl_.micro_batches * s.shards,
+                                min_rows=min_rows, truncate=True)
+    rows["loss_mask"] = rows["loss_mask"] * rows.pop("completion_weight")
+    rows, extra = s.task.update_inputs(rows, layout, list(groups.prompts), G)
+    return rows, layout, extra
+
+
+def minibatches(s: Setup, rows: dict) -> list[dict]:
+    """`rl.minibatches` equal slices of the rows, each placed on the devices."""
+    n = s.rl.minibatches
+    per = rows["tokens"].shape[0] // n
+    return [mesh_lib.put_batch(s.mesh, {k: v[i * per:(i + 1) * per] for k, v in rows.items()})
+            for i in range(n)]
+
+
+def old_and_ref_logps(s: Setup, params, batches: list[dict], extra) -> list[dict]:
+    """Each minibatch with the old policy's log-probs (when a trainer forward gives them) and
+    the reference's (with KL), taken before any update of this step."""
+    out = []
+    for batch in batches:
+        batch = dict(batch)
+        if s.rl.old_logp == "trainer":
+            batch["old_logp"] = s.logprobs(params, batch, extra)
+        if s.ref_params is not None:
+            batch["ref_logp"] = s.logprobs(s.ref_params, batch, extra)
+        out.append(batch)
+    return out
+
+
+def updates(s: Setup, state, batches: list[dict], extra):
+    """epochs x minibatches of the update step; the metrics are the last update's."""
+    metrics = None
+    for _ in range(s.rl.epochs):
+        for batch in batches:
+            state, metrics = s.update(state, batch, extra)
+    return state, jax.device_get(metrics)
+
+
+# ----------------------------------------------------------------------------- one step
+
+def step(s: Setup, state, it, step_index: int):
+    """One GRPO step -> (new state, metrics, the step's groups)."""
+    groups, m = collect(s, state.params, it, step_index)
+    groups, weight = shape_overlong(groups, s.rl)
+    adv_PG = advantages(groups, s.rl.estimator)
+    mine = process_share(groups.P)
+    local = groups.take(mine)
+    local_weight = weight[np.repeat(mine, groups.group_size)]
+    rows, layout, extra = pack(s, local, adv_PG[mine], local_weight)
+    # Every process must feed the same number of rows into the global batch.
+    n_rows = distributed.max_over_processes(rows["tokens"].shape[0])
+    if n_rows != rows["tokens"].shape[0]:
+        rows, layout, extra = pack(s, local, adv_PG[mine], local_weight, min_rows=n_rows)
+    batches = old_and_ref_logps(s, state.params, minibatches(s, rows), extra)
+    t0 = time.time()
+    state, um = updates(s, state, batches, extra)
+    m.update(um)
+    m.update({"time/update_s": time.time() - t0,
+              "advantage/abs_mean": float(np.abs(adv_PG).mean()),
+              "pack/rows": rows["tokens"].shape[0],
+              "pack/fill": float((rows["segment_ids"] > 0).mean()),
+              "pack/truncated": layout["num_truncated"]})
+    return state, m, groups
+
+
 def pass_at_k(correct_PG: np.ndarray, k: int) -> float:
     """Unbiased pass@k (Chen et al. 2021) from n >= k samples per prompt."""
     n = correct_PG.shape[1]
@@ -154,5 +319,16 @@ def pass_at_k(correct_PG: np.ndarray, k: int) -> float:
     return float(np.mean(vals))
 
 
-def advantages(groups: Groups, estimator: str) -> np.ndarray:
-    return np.asarray(rl.advantages(groups.rewards_PG, estimator=estimator), np.float32)
+def evaluate(s: Setup, params, batches: list, k: int, temperature: float, step: int) -> dict:
+    """Held-out prompts, k samples each: mean reward, pass@1 and pass@k."""
+    if not batches:
+        return {}
+    rewards = []
+    for i, raw in enumerate(batches):
+        groups, _ = sample_and_score(s, params, raw, group_size=k, seed=10_007 * step + i,
+                                     temperature=temperature)
+        rewards.append(groups.rewards_PG)
+    rewards_PG = np.concatenate(rewards)
+    correct = rewards_PG >= 1.0
+    return {"eval/reward/mean": float(rewards_PG.mean()),
+            "eval/pass@1": pass_at_k(correct, 1), f"eval/pass@{k}": pass_at_k(correct, k)}

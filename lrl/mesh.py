@@ -10,7 +10,7 @@ N query heads · K kv heads · H head dim · L layers.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import jax
 import numpy as np
@@ -117,6 +117,27 @@ def batch_spec(mesh: Mesh, rank: int, seq: bool = True) -> P:
 
 def batch_sharding(mesh: Mesh, rank: int = 2, seq: bool = True) -> NamedSharding:
     return NamedSharding(mesh, batch_spec(mesh, rank, seq))
+
+
+def row_sharding(mesh: Mesh, x) -> NamedSharding:
+    """The sharding of one batch array: [B, T] rows over (data, fsdp) and T over seq; [B, 3, T]
+    (M-RoPE positions) the same with the 3 whole; other ranks rows-first, the rest whole."""
+    if np.ndim(x) == 3:
+        rows, seq = batch_spec(mesh, 2)
+        return NamedSharding(mesh, P(rows, None, seq))
+    return batch_sharding(mesh, np.ndim(x))
+
+
+def put_batch(mesh: Optional[Mesh], arrays: Mapping[str, object]) -> dict:
+    """Host arrays -> device arrays in `row_sharding`. With several processes each holds its
+    own rows and the global batch is assembled from the local pieces."""
+    if mesh is None:
+        return {k: jax.device_put(np.asarray(v)) for k, v in arrays.items()}
+    if jax.process_count() == 1:
+        return {k: jax.device_put(np.asarray(v), row_sharding(mesh, v))
+                for k, v in arrays.items()}
+    return {k: jax.make_array_from_process_local_data(row_sharding(mesh, v), np.asarray(v))
+            for k, v in arrays.items()}
 
 
 def rows_divisible(mesh: Mesh, rows: int) -> None:

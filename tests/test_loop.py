@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lrl import checkpoint as ckpt_lib
-from lrl import experiment
+from lrl import config_util
 from lrl import rewards
 from lrl import loop
 from lrl import metrics as metrics_lib
@@ -26,7 +26,7 @@ def digits_reward(completion: str, answer: str, **meta) -> float:
 
 
 def tiny_config(**rl):
-    c = experiment.config_from_file(os.path.join(ROOT, "configs", "default.py"), "runlocal")
+    c = config_util.load(os.path.join(ROOT, "configs", "default.py"), "runlocal")
     c.model.update(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64)
     c.data.task_kwargs.arithmetic.update(num_terms=2, min_terms=2)
     c.data.max_prompt_len = 96

@@ -99,7 +99,7 @@ def test_video_grpo_steps_end_to_end(tmp_path, monkeypatch, caplog):
     # Video 3 (the second step's second prompt) is garbage: reported by path and skipped.
     videos = tmp_path / "videos"
     videos.mkdir()
-    bad = videos / f"video_{v.task}_{c.seed}_3_{v.frames_in_file}x{v.frame}.mp4"
+    bad = videos / f"video_{c.data.task}_{c.seed}_3_{v.frames_in_file}x{v.frame}.mp4"
     bad.write_bytes(np.random.RandomState(0).bytes(3000))
     calls = {"calls": 0, "frames": 0}
     make = embed_cache.make_encoder
@@ -114,7 +114,7 @@ def test_video_grpo_steps_end_to_end(tmp_path, monkeypatch, caplog):
         return run
 
     monkeypatch.setattr(embed_cache, "make_encoder", counting_encoder)
-    m = loop.run(c, str(tmp_path))
+    m = loop.run(c, str(tmp_path))["grpo"]
     assert str(bad) in caplog.text
     assert m["video/skipped"] == 1 and m["vision/encoded_items"] == 1
     # 3 decodable videos x 2 temporal patches, one tower call per step, for 12 rollout rows.
@@ -125,7 +125,7 @@ def test_video_grpo_steps_end_to_end(tmp_path, monkeypatch, caplog):
     # The sampler's log-probs (multimodal prefill, delta decode) are the trainer's.
     assert abs(m["ratio_max"] - 1) < 1e-4 and abs(m["ratio_min"] - 1) < 1e-4
     assert m["response/length_mean"] > 0
-    recs = video_task.video_dataset(v.task, c.seed, 3, str(videos),
+    recs = video_task.video_dataset(c.data.task, c.seed, 3, str(videos),
                                     num_frames=v.frames_in_file, frame=v.frame)
     assert all(os.path.isfile(r["video"]) for r in recs)
 
@@ -136,10 +136,11 @@ def test_video_grpo_from_a_local_hf_checkpoint(tmp_path):
     import torch
     import transformers
 
-    from lrl import vl_grpo
+    from lrl import experiment
+    from lrl.tasks import video, video_data
     c = _config("runlocal")
-    tok = vl_grpo.build_tokenizer(c, str(tmp_path / "trained"))
-    ids = {t: tok.convert_tokens_to_ids(t) for t in vl_grpo.VISION_TOKENS}
+    tok = video_data.build_tokenizer(experiment.options(c), str(tmp_path / "trained"))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in video_data.VISION_TOKENS}
     hf_cfg = transformers.Qwen2_5_VLConfig(
         text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -157,10 +158,10 @@ def test_video_grpo_from_a_local_hf_checkpoint(tmp_path):
     c.model.hf_path = str(tmp_path / "hf")
     c.tokenizer.path = str(tmp_path / "trained" / "tokenizer")
     c.rl.steps, c.optim.warmup_steps, c.eval.every = 1, 1, 0
-    m = vl_grpo.run(c, str(tmp_path / "run"))
+    m = loop.run(c, str(tmp_path / "run"))["grpo"]
     assert m["vision/encoded_items"] == c.rl.prompts_per_step
     assert all(np.isfinite(x) for x in m.values())
     assert abs(m["ratio_max"] - 1) < 1e-4 and abs(m["ratio_min"] - 1) < 1e-4
-    vl_cfg, _ = vl_grpo.build_policy(c, tok)
+    vl_cfg, _ = video.build_policy(experiment.options(c), tok)
     with pytest.raises(ValueError, match="vision token ids"):
-        vl_grpo._check_token_ids(vl_cfg.replace(video_token_id=5), tok, "here")
+        video.check_token_ids(vl_cfg.replace(video_token_id=5), tok, "here")

@@ -1,7 +1,7 @@
 """Video GRPO on a device mesh (Long-RL's MR-SP stage 2): the multimodal update with ring /
 Ulysses attention over `seq` equals the single-device dense update; sequence-parallel prefill
-writes the pages the engine's prefill writes (same greedy samples and log-probs); grpo_video
-runs on an fsdp x seq mesh, checkpoints and resumes at the saved data position; the video-QA
+writes the pages the engine's prefill writes (same greedy samples and log-probs); video GRPO
+runs through `lrl.loop.run` on an fsdp x seq mesh, checkpoints and resumes at the saved data position; the video-QA
 config reads a local jsonl and reports missing videos and malformed rows."""
 import json
 import os
@@ -12,16 +12,17 @@ import numpy as np
 import optax
 import pytest
 
-from lrl import grpo, models
+from lrl import experiment, loop, models
 from lrl import mesh as mesh_lib
-from lrl import vl_data, vl_grpo
-from lrl.data import video_task
-from lrl.experiment import config_from_file
+from lrl.config_util import load as config_from_file
+from lrl.data import packing, video_task
 from lrl.models import vision, vl
+from lrl import rl as lrl_rl
 from lrl.rewards import register
 from lrl.rl import update as update_lib
 from lrl.rl.losses import LossConfig
 from lrl.rollout import Engine, EngineConfig, SamplingParams, sp_prefill
+from lrl.tasks import Prompt, video, video_data
 from tests.hf_util import rel_err
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -47,16 +48,16 @@ def _groups_and_rows(rng):
     G, prompts = 3, []
     for p in range(2):
         ids, pos, delta, n = _video_prompt(rng.randint(0, 140, 4 + 3 * p))
-        prompts.append(dict(ids=ids, positions=pos, delta=delta, count=n, offset=8 * p))
+        prompts.append(Prompt(ids, "a", {}, "", visual=video.VisualRows(None, n, pos, delta)))
     comps = [rng.randint(0, 150, rng.randint(3, 9)).astype(np.int32) for _ in range(2 * G)]
     comps[1][1] = VL.video_token_id           # a sampled pad stays an ordinary token
-    groups = grpo.Groups([p["ids"] for p in prompts], ["a", "b"], [{}, {}], comps,
-                         [(-rng.rand(len(c)) * 0.3).astype(np.float32) for c in comps], G)
-    groups.rewards_PG = rng.rand(2, G).astype(np.float32)
-    rows, layout = grpo.update_rows(groups, grpo.advantages(groups, "grpo"),
-                                    np.ones(2 * G, np.float32), row_len=32, rows_multiple=4,
-                                    use_sampler_logp=True)
-    return vl_data.add_visual_rows(VL, rows, layout, prompts, G)
+    adv = np.asarray(lrl_rl.advantages(rng.rand(2, G).astype(np.float32), "grpo")).reshape(-1)
+    rows, layout = packing.pack(
+        [prompts[i // G].ids for i in range(2 * G)], comps, 32,
+        seq_values={"advantages": adv},
+        token_values={"old_logp": [(-rng.rand(len(c)) * 0.3).astype(np.float32) for c in comps]},
+        rows_multiple=4, truncate=True)
+    return video.add_visual_rows(VL, rows, layout, prompts, [0, 8], G)
 
 
 def test_vl_update_with_ring_attention_equals_the_single_device_step():
@@ -70,17 +71,18 @@ def test_vl_update_with_ring_attention_equals_the_single_device_step():
     loss = LossConfig(aggregation="token_mean", max_len=8)
     before = jax.tree.map(np.asarray, params)   # the steps donate their input state
     state = update_lib.init_train_state(params, tx)
-    want_state, want = vl_grpo.make_vl_update_fn(TEXT, loss, tx, num_micro=2)(
-        jax.tree.map(jnp.copy, state), vl_grpo.put_batch(None, rows), table)
+    vl_step = dict(num_micro=2, hidden=vl.batch_hidden_states, extra_keys=("visual_index",))
+    want_state, want = update_lib.make_update_fn(TEXT, loss, tx, **vl_step)(
+        jax.tree.map(jnp.copy, state), mesh_lib.put_batch(None, rows), table)
     mesh = mesh_lib.make_mesh(sizes)
     cfg = TEXT.replace(attention=attention)
     sharded = jax.device_put(state, update_lib.train_state_shardings(cfg, tx, mesh))
-    batch = vl_grpo.put_batch(mesh, rows)
+    batch = mesh_lib.put_batch(mesh, rows)
     seq = "seq" if mesh.shape["seq"] > 1 else None
     assert tuple(batch["positions"].sharding.spec) == ("fsdp", None, seq)
     assert tuple(batch["visual_index"].sharding.spec) == ("fsdp", seq)
-    got_state, got = vl_grpo.make_vl_update_fn(cfg, loss, tx, mesh, num_micro=2)(
-        sharded, batch, vl_grpo.put_table(mesh, table))
+    got_state, got = update_lib.make_update_fn(cfg, loss, tx, mesh, **vl_step)(
+        sharded, batch, jax.device_put(table, mesh_lib.replicated(mesh)))
     assert float(want["clip_frac_high"]) + float(want["clip_frac_low"]) > 0  # clipping is live
     for k in ("loss", "pg_loss", "grad_norm", "entropy", "ratio_max"):
         assert abs(float(got[k]) - float(want[k])) <= 1e-5 * max(1.0, abs(float(want[k]))), k
@@ -148,14 +150,14 @@ def test_video_grpo_on_a_mesh_checkpoints_and_resumes(tmp_path, monkeypatch):
     c.checkpoint.every_steps = 1
     c.eval.update(every=2, num_prompts=2, k=2)
     seen = []
-    batch_records = vl_data.batch_records
+    batch_records = video_data.batch_records
 
     def recording(recs, step, n, seed, shuffle):
         seen.append(step)
         return batch_records(recs, step, n, seed, shuffle)
 
-    monkeypatch.setattr(vl_data, "batch_records", recording)
-    m = vl_grpo.run(c, str(tmp_path))
+    monkeypatch.setattr(video_data, "batch_records", recording)
+    m = loop.run(c, str(tmp_path))["grpo"]
     assert all(np.isfinite(x) for x in m.values())
     assert m["grad_norm"] > 0 and m["eval/pass@2"] >= m["eval/pass@1"] >= 0
     # Prompts prefilled sequence-parallel (ring over seq=2) and sampled by the engine: the
@@ -164,11 +166,11 @@ def test_video_grpo_on_a_mesh_checkpoints_and_resumes(tmp_path, monkeypatch):
     assert abs(m["ratio_max"] - 1) < 1e-4 and abs(m["ratio_min"] - 1) < 1e-4
     assert m["vision/encoded_items"] == 2 and m["video/decoded"] == 2   # step 2: new videos
     c.rl.steps = 3
-    m3 = vl_grpo.run(c, str(tmp_path))
+    m3 = loop.run(c, str(tmp_path))["grpo"]
     assert seen == [0, 1, 2] and np.isfinite(m3["loss"])
     steps = [json.loads(line)["step"]
              for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
+    assert steps == [0, 1, 2, 3]   # the held-out baseline as GRPO starts, then the steps
     assert sorted(os.listdir(tmp_path / "checkpoints"))[:2] == ["2", "3"]
 
 
@@ -193,13 +195,14 @@ def test_video_qa_config_reports_missing_videos_and_bad_rows(tmp_path, caplog):
     c.reward.spec = "choice:1.0,test_video_mesh_len:0.5"
     c.rl.loss.kl_coef = 0.01   # reference log-probs from the sharded forward-only pass
     c.eval.every = 0
-    recs, problems = vl_data.load_video_qa(str(data), c.data)
+    fields = video_data.QAFields.of(experiment.options(c))
+    recs, problems = video_data.load_video_qa(str(data), fields)
     assert [r["answer"] for r in recs] == ["B", "B", "3"]
     assert "C. blue" in recs[0]["prompt"] and recs[0]["prompt"].startswith(
         video_task.VIDEO_PROMPT)
     assert problems[0] == f"{data}:2: video file not found: {clips / 'missing.mp4'}"
     assert [p.split(": ")[0] for p in problems[1:]] == [f"{data}:5", f"{data}:6"]
-    m = vl_grpo.run(c, str(tmp_path / "run"))
+    m = loop.run(c, str(tmp_path / "run"))["grpo"]
     assert str(clips / "missing.mp4") in caplog.text and f"{data}:5" in caplog.text
     assert str(clips / "broken.mp4") in caplog.text
     assert m["video/skipped"] == 1 and m["video/decoded"] == 2 and np.isfinite(m["loss"])

@@ -75,7 +75,7 @@ def setup(seq: int, args) -> dict:
     import jax
     import optax
     from lrl import mesh as mesh_lib
-    from lrl import models, vl_grpo
+    from lrl import models
     from lrl.models import embed_cache, vision, vl
     from lrl.rl import update as update_lib
     from lrl.rl.losses import LossConfig
@@ -95,8 +95,9 @@ def setup(seq: int, args) -> dict:
                       out_shardings=mesh_lib.replicated(mesh))(vcfg, k2)
     return dict(seq=seq, mesh=mesh, text=text, vcfg=vcfg, c=c, state=state, vparams=vparams,
                 encoder=embed_cache.make_encoder(vcfg, mesh, frame_chunk=args.frame_chunk),
-                update=vl_grpo.make_vl_update_fn(text, LossConfig(max_len=args.new_tokens), tx,
-                                                 mesh))
+                update=update_lib.make_update_fn(text, LossConfig(max_len=args.new_tokens), tx,
+                                                 mesh, hidden=vl.batch_hidden_states,
+                                                 extra_keys=("visual_index",)))
 
 
 def run_row(ctx: dict, frames: int, args) -> dict:
@@ -104,7 +105,6 @@ def run_row(ctx: dict, frames: int, args) -> dict:
     import jax
     import numpy as np
     from lrl import mesh as mesh_lib
-    from lrl import vl_grpo
     from lrl.data.video import VisualItem
     from lrl.models import embed_cache, vl
     from lrl.rollout import Engine, EngineConfig, pages_for, sp_prefill
@@ -130,7 +130,7 @@ def run_row(ctx: dict, frames: int, args) -> dict:
             jax.block_until_ready(emb)
             out[key] = time.perf_counter() - t0
     n_vis = int(emb.shape[0])
-    # Rows padded to a multiple of 256 as in lrl.vl_grpo (fewer recompilations across rows).
+    # Rows padded to a multiple of 256 as in lrl.tasks.video (fewer recompilations across rows).
     table, _ = embed_cache.build_table([emb], text.d_model, text.dtype, pad_to=256)
     table = jax.device_put(table, mesh_lib.replicated(mesh))
 
@@ -169,7 +169,7 @@ def run_row(ctx: dict, frames: int, args) -> dict:
     positions = np.zeros((1, 3, L), np.int32)
     positions[0, :, :n] = vl.extend_positions(pos, delta, n)
     mask = ((np.arange(L) >= T - 1) & (np.arange(L) < n - 1)).astype(np.float32)[None]
-    batch = vl_grpo.put_batch(mesh, {
+    batch = mesh_lib.put_batch(mesh, {
         "tokens": tokens, "positions": positions, "segment_ids": seg,
         "targets": np.roll(tokens, -1, axis=1) * seg, "loss_mask": mask,
         "advantages": np.full((1, L), 0.5, np.float32),

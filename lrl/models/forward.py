@@ -47,6 +47,16 @@ def hidden_states(cfg: ModelConfig, params, tokens_BT, positions_BT=None,
     return x
 
 
+def batch_hidden_states(cfg: ModelConfig, params, batch, extra=None, mesh=None,
+                        packed: bool = True):
+    """`hidden_states` of a packed update batch (`lrl.rl.update`'s `hidden`): tokens,
+    positions and, when `packed`, segment ids (unpacked rows are one sequence each, so
+    attention needs no segment mask). The text decoder reads nothing from `extra`."""
+    del extra
+    return hidden_states(cfg, params, batch["tokens"], batch["positions"],
+                         batch["segment_ids"] if packed else None, mesh)
+
+
 def unembedding(cfg: ModelConfig, params):
     """The [D, V] output matrix (the embedding's transpose when tied)."""
     return params["embed"]["embedding"].T if cfg.tie_embeddings else params["lm_head"]

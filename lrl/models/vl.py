@@ -282,6 +282,20 @@ def vl_hidden_states(cfg: ModelConfig, text_params, tokens_BT, positions=None,
     return x if layout is None else jnp.take(x, layout[1], axis=1)
 
 
+def batch_hidden_states(cfg: ModelConfig, text_params, batch, visual_table_RD, mesh=None,
+                        packed: bool = True):
+    """`vl_hidden_states` of a packed update batch (`lrl.rl.update`'s `hidden` for the video
+    task): M-RoPE positions [B, 3, T], `visual_index` [B, T] into `visual_table_RD`, the
+    frozen vision tower's output, which gets no gradient. Rows always carry segment ids."""
+    del packed
+    if visual_table_RD is None:
+        raise ValueError("update: a vision-language batch needs the visual table as the step's "
+                         "extra argument")
+    return vl_hidden_states(cfg, text_params, batch["tokens"],
+                            jnp.swapaxes(batch["positions"], 0, 1), batch["segment_ids"],
+                            jax.lax.stop_gradient(visual_table_RD), batch["visual_index"], mesh)
+
+
 def vl_forward(cfg: ModelConfig, text_params, tokens_BT, positions=None, segment_ids_BT=None,
                visual_table_RD=None, visual_index_BT=None, mesh=None):
     """float32 logits [B, T, V]; for long rows use `vl_hidden_states` and chunked log-probs."""

@@ -6,5 +6,6 @@ from lrl.rl.losses import (AGGREGATIONS, Denominators, LossConfig, combine_metri
                            loss_denominators, packed_policy_loss, policy_loss, token_loss,
                            token_loss_aux, token_weights)
 from lrl.rl.optim import default_decay_mask, learning_rate, lr_schedule, make_optimizer
-from lrl.rl.update import (TrainState, init_train_state, logprobs, make_init_fn,
-                           make_logprobs_fn, make_update_fn, train_state_shardings, update_step)
+from lrl.rl.train import (TrainState, abstract_train_state, accumulate_and_apply,
+                          init_train_state, make_init_fn, train_state_shardings)
+from lrl.rl.update import logprobs, make_logprobs_fn, make_update_fn, update_step

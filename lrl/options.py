@@ -1,0 +1,439 @@
+"""The experiment's options as typed, frozen dataclasses, built and checked once from the
+(locked) ml_collections config at start-up. Below the loop nothing reads a ConfigDict: the
+loop passes these objects down.
+
+Every field is checked as it is read, and an error names the config key (`rl.minibatches`,
+not `minibatches`) and says what it must be; cross-field rules and the files a run reads
+(data, tokenizer, model directory) are checked here too, before any compile or training.
+
+    opts = options.from_config(config)
+    opts.rl.group_size, opts.rl.loss.clip_high, opts.rollout.page_size, ...
+
+One schema for every job and task: a text config (configs/default.py) has every section but
+`video`; a video config (configs/video_synthetic.py) builds on it, sets `task="video"` and adds
+the `video` section.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import typing
+from typing import Mapping, Optional
+
+JOBS = ("grpo", "sft")
+TASKS = ("text", "video")
+DTYPES = ("float32", "bfloat16", "float16")
+SOURCES = {"text": ("synthetic", "jsonl", "parquet"), "video": ("synthetic", "jsonl")}
+TEXT_TASKS = ("arithmetic", "kv_retrieval")
+VIDEO_TASKS = ("direction", "count")
+OVERLONG = ("none", "mask", "penalty")
+
+
+def _opt(*, ge=None, gt=None, lt=None, le=None, choices=None):
+    """A field read from the config, with the bounds or choices it must respect."""
+    return dataclasses.field(metadata=dict(ge=ge, gt=gt, lt=lt, le=le, choices=choices))
+
+
+def _check_value(key: str, value, meta: Mapping) -> None:
+    bounds = (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+              ("lt", lambda v, b: v < b, "<"), ("le", lambda v, b: v <= b, "<="))
+    for name, ok, sign in bounds:
+        b = meta.get(name)
+        if b is not None and not ok(value, b):
+            raise ValueError(f"{key}={value!r}: must be {sign} {b}")
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{key}={value!r}; choose one of {tuple(choices)}")
+
+
+def _coerce(key: str, value, kind):
+    """The config value as the field's type; bools are not numbers here."""
+    origin = typing.get_origin(kind)
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key}={value!r}: expected a number")
+        return float(value)
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key}={value!r}: expected an integer")
+        return value
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}={value!r}: expected True or False")
+        return value
+    if kind is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key}={value!r}: expected a string")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            raise ValueError(f"{key}={value!r}: expected a tuple")
+        return tuple(value)
+    if kind is dict or origin is dict:
+        return _plain(value)
+    return value
+
+
+def _plain(x):
+    if hasattr(x, "to_dict"):
+        x = x.to_dict()
+    if isinstance(x, Mapping):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
+
+
+def _read(cls, section, prefix: str, **nested):
+    """`cls` from a config section: every field present, no key unknown, each checked."""
+    if section is None:
+        raise ValueError(f"config has no {prefix!r} section")
+    given = dict(section.items())
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(given) - set(names))
+    missing = sorted(set(names) - set(given) - set(nested))
+    if unknown or missing:
+        raise ValueError(f"config section {prefix!r}: unknown keys {unknown} / missing keys "
+                         f"{missing}; its keys are {names}")
+    values = {}
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}"
+        if f.name in nested:
+            values[f.name] = nested[f.name]
+            continue
+        v = _coerce(key, given[f.name], hints[f.name])
+        _check_value(key, v, f.metadata)
+        values[f.name] = v
+    return cls(**values)
+
+
+# ----------------------------------------------------------------------------- sections
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    hf_path: str
+    model_type: str = _opt(choices=("llama", "qwen2", "qwen3"))
+    d_model: int = _opt(ge=1)
+    n_layers: int = _opt(ge=1)
+    n_heads: int = _opt(ge=1)
+    n_kv_heads: int = _opt(ge=1)
+    head_dim: int = _opt(ge=2)
+    mlp_dim: int = _opt(ge=1)
+    rope_theta: float = _opt(gt=0)
+    tie_embeddings: bool = _opt()
+    param_dtype: str = _opt(choices=DTYPES)
+    dtype: str = _opt(choices=DTYPES)
+    attention: str = _opt(choices=("dense", "ring", "ulysses"))
+    attention_impl: str = _opt(choices=("", "xla", "cudnn"))
+    remat: str = _opt(choices=("none", "full", "dots", "dots_no_batch", "dots_attn",
+                               "save_attn", "offload_attn"))
+    param_shard_axes: str = _opt()
+
+    @property
+    def shard_axes(self) -> tuple[str, ...]:
+        """param_shard_axes, "fsdp" or "fsdp,seq" -> ("fsdp",) or ("fsdp", "seq")."""
+        return tuple(a.strip() for a in self.param_shard_axes.split(",") if a.strip())
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerOptions:
+    path: str
+    vocab_size: int = _opt(ge=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshOptions:
+    data: int = _opt(ge=-1)
+    fsdp: int = _opt(ge=-1)
+    seq: int = _opt(ge=-1)
+    tensor: int = _opt(ge=-1)
+
+    def sizes(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataOptions:
+    source: str
+    paths: str
+    prompt_field: str
+    answer_field: str
+    messages_field: str
+    system_prompt: str
+    task: str
+    task_kwargs: dict
+    size: int = _opt(ge=1)
+    eval_size: int = _opt(ge=0)
+    eval_paths: str = _opt()
+    max_prompt_len: int = _opt(ge=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTOptions:
+    steps: int = _opt(ge=0)
+    rows: int = _opt(ge=1)
+    row_len: int = _opt(ge=2)
+    answer_noise: float = _opt(ge=0, le=1)
+    lr: float = _opt(gt=0)
+    warmup_steps: int = _opt(ge=0)
+    paths: str = _opt()
+    response_field: str = _opt()
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+    clip_low: float = _opt(ge=0, lt=1)
+    clip_high: float = _opt(ge=0)
+    dual_clip: float = _opt(ge=0)        # 0 = off, else > 1 (checked below)
+    ratio_level: str = _opt(choices=("token", "sequence"))
+    aggregation: str = _opt(choices=("token_mean", "seq_mean_token_mean",
+                                     "seq_mean_token_sum_norm"))
+    kl_coef: float = _opt(ge=0)
+    kl_estimator: str = _opt(choices=("k1", "k2", "k3"))
+    entropy_coef: float = _opt()
+    tis_cap: float = _opt(ge=0)          # 0 = off
+
+
+@dataclasses.dataclass(frozen=True)
+class RLOptions:
+    steps: int = _opt(ge=0)
+    prompts_per_step: int = _opt(ge=1)
+    group_size: int = _opt(ge=1)
+    max_new_tokens: int = _opt(ge=1)
+    temperature: float = _opt(ge=0)
+    top_k: int = _opt(ge=0)
+    top_p: float = _opt(gt=0, le=1)
+    estimator: str = _opt(choices=("grpo", "dr_grpo", "rloo", "reinforce_pp"))
+    epochs: int = _opt(ge=1)
+    minibatches: int = _opt(ge=1)
+    micro_batches: int = _opt(ge=1)
+    row_len: int = _opt(ge=2)
+    logprob_chunk: int = _opt(ge=1)
+    fused_head: bool = _opt()
+    recompute_old_logp: bool = _opt()
+    dynamic_sampling: bool = _opt()
+    max_resample: int = _opt(ge=0)
+    overlong: str = _opt(choices=OVERLONG)
+    overlong_buffer: int = _opt(ge=0)
+    overlong_penalty: float = _opt(ge=0)
+    loss: LossOptions = None
+
+    @property
+    def plain_sampling(self) -> bool:
+        """Temperature-1 sampling with no top-k / top-p: the sampler's log-probs are the
+        policy's own (up to numerics), so they can serve as the old log-probs."""
+        return self.temperature == 1.0 and self.top_k == 0 and self.top_p == 1.0
+
+    @property
+    def old_logp(self) -> str:
+        """Where a step's old log-probs come from: "sampler" (the rollout's, for plain
+        sampling unless `recompute_old_logp`), "trainer" (a forward pass before the updates,
+        needed when the policy moves within a step: epochs x minibatches > 1), or "none"
+        (one update on-policy data: old = current, without gradient)."""
+        if self.plain_sampling and not self.recompute_old_logp:
+            return "sampler"
+        return "trainer" if self.epochs * self.minibatches > 1 else "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimOptions:
+    lr: float = _opt(gt=0)
+    warmup_steps: int = _opt(ge=0)
+    weight_decay: float = _opt(ge=0)
+    b1: float = _opt(ge=0, lt=1)
+    b2: float = _opt(ge=0, lt=1)
+    clip_norm: float = _opt(ge=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardOptions:
+    spec: str
+    num_workers: int = _opt(ge=0)
+    timeout_s: float = _opt(gt=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutOptions:
+    page_size: int = _opt(ge=1)
+    max_slots: int = _opt(ge=1)
+    pool_tokens: int = _opt(ge=0)       # 0 = enough for the batch
+    sp_min_tokens: int = _opt(ge=0)     # prompts this long prefill over seq (ring/ulysses)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+    every: int = _opt(ge=0)
+    num_prompts: int = _opt(ge=1)
+    k: int = _opt(ge=1)
+    temperature: float = _opt(ge=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    every_steps: int = _opt(ge=0)
+    every_minutes: float = _opt(ge=0)
+    keep: int = _opt(ge=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsOptions:
+    tensorboard: bool
+    samples_per_step: int = _opt(ge=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoOptions:
+    """The video task's own section: frames, the vision tower, and the video-QA fields."""
+    frames_in_file: int = _opt(ge=2)    # synthetic videos: frames written per file
+    frame: int = _opt(ge=28)            # synthetic videos: square side in pixels
+    num_frames: int = _opt(ge=2)        # frames sampled per video (2 per temporal patch)
+    min_tokens_per_frame: int = _opt(ge=1)
+    max_tokens_per_frame: int = _opt(ge=1)
+    cache_dir: str = _opt()
+    frame_axes: str = _opt()
+    mrope_section: tuple = _opt()
+    vision_depth: int = _opt(ge=1)
+    vision_width: int = _opt(ge=1)
+    vision_heads: int = _opt(ge=1)
+    vision_mlp_dim: int = _opt(ge=1)
+    video_field: str = _opt()
+    choices_field: str = _opt()
+    video_root: str = _opt()
+    instruction: str = _opt()
+    choice_instruction: str = _opt()
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    job: str
+    task: str
+    seed: int
+    model: ModelOptions
+    tokenizer: TokenizerOptions
+    mesh: MeshOptions
+    distributed: dict
+    data: DataOptions
+    sft: SFTOptions
+    rl: RLOptions
+    optim: OptimOptions
+    reward: RewardOptions
+    rollout: RolloutOptions
+    eval: EvalOptions
+    checkpoint: CheckpointOptions
+    metrics: MetricsOptions
+    video: Optional[VideoOptions] = None
+
+    @property
+    def rl_steps(self) -> int:
+        return self.rl.steps if self.job == "grpo" else 0
+
+
+_SECTIONS = dict(model=ModelOptions, tokenizer=TokenizerOptions, mesh=MeshOptions,
+                 data=DataOptions, sft=SFTOptions, optim=OptimOptions, reward=RewardOptions,
+                 rollout=RolloutOptions, eval=EvalOptions, checkpoint=CheckpointOptions,
+                 metrics=MetricsOptions)
+
+
+def from_config(config, check_files: bool = True) -> Options:
+    """Typed options from a config; raises ValueError (FileNotFoundError for files) naming the
+    key of the first value that would only break later."""
+    top = dict(config.items())
+    known = set(_SECTIONS) | {"job", "task", "seed", "distributed", "rl", "video"}
+    unknown = sorted(set(top) - known)
+    if unknown:
+        raise ValueError(f"config: unknown top-level keys {unknown}; the keys are "
+                         f"{sorted(known)}")
+    job, task = top.get("job"), top.get("task", "text")
+    if job == "grpo_video":
+        raise ValueError("job='grpo_video' is now job='grpo' with task='video' (see "
+                         "configs/video_synthetic.py)")
+    _check_value("job", job, {"choices": JOBS})
+    _check_value("task", task, {"choices": TASKS})
+    sections = {name: _read(cls, top.get(name), name) for name, cls in _SECTIONS.items()}
+    rl = top.get("rl")
+    loss = _read(LossOptions, rl.get("loss") if rl is not None else None, "rl.loss")
+    sections["rl"] = _read(RLOptions, rl, "rl", loss=loss)
+    video = top.get("video")
+    if task == "video":
+        sections["video"] = _read(VideoOptions, video, "video")
+    elif video is not None:
+        raise ValueError("config has a 'video' section but task='text'; set task='video'")
+    from lrl import distributed   # the distributed section keeps its own defaults and checks
+    opts = Options(job=job, task=task, seed=_coerce("seed", top["seed"], int),
+                   distributed=distributed.settings(top.get("distributed", {})), **sections)
+    _check_across(opts)
+    if check_files:
+        check_files_exist(opts)
+    return opts
+
+
+def _check_across(o: Options) -> None:
+    """Rules that tie fields together."""
+    from lrl.models.config import check_param_shard_axes
+    check_param_shard_axes(o.model.shard_axes, "model.param_shard_axes",
+                           o.model.param_shard_axes)
+    _check_value("data.source", o.data.source, {"choices": SOURCES[o.task]})
+    if o.job == "sft":
+        if o.task != "text":
+            raise ValueError(f"job='sft' runs on the text task only, not task={o.task!r}")
+        if o.sft.steps < 1:
+            raise ValueError("job='sft' needs sft.steps >= 1")
+    if o.task == "video" and o.sft.steps:
+        raise ValueError(f"sft.steps={o.sft.steps}: the video task has no SFT warm start; "
+                         "set sft.steps=0")
+    if o.job == "grpo" and o.rl.group_size < 2:
+        raise ValueError(f"rl.group_size={o.rl.group_size}: GRPO needs at least 2 samples "
+                         "per prompt")
+    if o.data.source != "synthetic" and not o.data.paths:
+        raise ValueError(f"data.source={o.data.source!r} needs data.paths")
+    if o.data.source == "synthetic":
+        tasks = TEXT_TASKS if o.task == "text" else VIDEO_TASKS
+        _check_value("data.task", o.data.task, {"choices": tasks})
+        if o.task == "text" and o.data.task not in o.data.task_kwargs:
+            raise ValueError(f"data.task={o.data.task!r} has no entry in data.task_kwargs "
+                             f"(entries: {sorted(o.data.task_kwargs)})")
+    if o.task == "text" and o.sft.steps and o.data.source != "synthetic" and not o.sft.paths:
+        raise ValueError("sft.steps > 0 needs prompt/response records in sft.paths unless "
+                         "data.source='synthetic' (or set sft.steps=0)")
+    if o.rl.overlong == "penalty" and not 1 <= o.rl.overlong_buffer <= o.rl.max_new_tokens:
+        raise ValueError(f"rl.overlong_buffer={o.rl.overlong_buffer}: the penalty ramps over "
+                         f"1 to rl.max_new_tokens={o.rl.max_new_tokens} tokens")
+    if o.rl.loss.dual_clip and o.rl.loss.dual_clip <= 1.0:
+        raise ValueError(f"rl.loss.dual_clip={o.rl.loss.dual_clip}: must be 0 (off) or > 1 "
+                         "(verl uses 3)")
+    if o.rl.loss.aggregation == "seq_mean_token_sum_norm" and o.rl.max_new_tokens < 1:
+        raise ValueError("rl.loss.aggregation='seq_mean_token_sum_norm' needs "
+                         "rl.max_new_tokens >= 1")
+    if o.video is not None:
+        v = o.video
+        if v.min_tokens_per_frame > v.max_tokens_per_frame:
+            raise ValueError(f"video.min_tokens_per_frame={v.min_tokens_per_frame} > "
+                             f"video.max_tokens_per_frame={v.max_tokens_per_frame}")
+
+
+def _expand(key: str, paths: str) -> None:
+    for part in (p.strip() for p in paths.split(",") if p.strip()):
+        if not glob.glob(part):
+            raise FileNotFoundError(f"{key}: no file matches {part!r}")
+
+
+def check_files_exist(o: Options) -> None:
+    """Every file and directory the run will read, checked now rather than when first read
+    (an eval set is first read after the whole SFT phase)."""
+    if o.data.source != "synthetic":
+        _expand("data.paths", o.data.paths)
+        if o.data.eval_paths:
+            _expand("data.eval_paths", o.data.eval_paths)
+    if o.task == "text" and o.sft.steps and o.sft.paths:
+        _expand("sft.paths", o.sft.paths)
+    for key, path in (("model.hf_path", o.model.hf_path), ("tokenizer.path", o.tokenizer.path)):
+        if path and not os.path.isdir(path):
+            raise FileNotFoundError(f"{key}={path!r}: no such directory")
+    if o.video is not None and o.video.video_root and not os.path.isdir(o.video.video_root):
+        raise FileNotFoundError(f"video.video_root={o.video.video_root!r}: no such directory")
+
+
+def as_dict(config) -> dict:
+    """The config as plain data (what a checkpoint stores)."""
+    return _plain(config)
+

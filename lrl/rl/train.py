@@ -1,0 +1,155 @@
+"""What every training objective shares: the train state, its shardings, splitting a batch
+into micro-batches, accumulating their gradients and applying one optimizer update, and
+jitting such a step once over the mesh. The policy update (`lrl.rl.update`) and SFT
+(`lrl.rl.sft`) are each a micro-batch loss handed to `accumulate_and_apply`.
+
+B batch rows · T positions · M micro-batches.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from lrl import mesh as mesh_lib
+from lrl import models
+from lrl.models.scan_buffers import UninitialisedScanJit
+from lrl.rl import optim
+from lrl.rl.losses import combine_metrics
+
+
+class TrainState(NamedTuple):
+    step: jax.Array   # int32 scalar: updates applied so far
+    params: Any       # master weights, in cfg.param_dtype (fp32 for training)
+    opt_state: Any
+
+
+def micro_split(batch, num_micro: int):
+    """[B, ...] -> [M, B/M, ...], micro-batch m = rows m, m+M, m+2M, ...: rows are sharded in
+    contiguous blocks, so every micro-batch keeps rows on every data shard."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, num_micro, *x.shape[1:]), 0, 1),
+                        batch)
+
+
+def micro_merge(x_MB):
+    return jnp.swapaxes(x_MB, 0, 1).reshape(-1, *x_MB.shape[2:])
+
+
+def constrain_batch(batch: dict, mesh):
+    """Rows over (data, fsdp), positions over seq; M-RoPE positions [B, 3, T] keep their 3
+    whole and split T like the tokens."""
+    if mesh is None:
+        return batch
+
+    def one(key, x):
+        if key == "positions" and x.ndim == 3:
+            rows, seq = mesh_lib.batch_spec(mesh, 2)
+            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(rows, None, seq)))
+        return jax.lax.with_sharding_constraint(x, mesh_lib.batch_sharding(mesh, x.ndim))
+    return {k: one(k, x) for k, x in batch.items()}
+
+
+def _metric_identity(shapes):
+    """Start values for combining micro-batch metrics: +inf for mins, -inf for maxes, else 0."""
+    return {k: jnp.full(s.shape, jnp.inf if k.endswith("_min") else
+                        -jnp.inf if k.endswith("_max") else 0.0, s.dtype)
+            for k, s in shapes.items()}
+
+
+def accumulate_and_apply(state: TrainState, batch, micro_loss: Callable, *, model_cfg, tx,
+                         mesh=None, num_micro: int = 1):
+    """One optimizer update from the gradient of `micro_loss(params, mb) -> (loss, metrics)`
+    summed over the `num_micro` micro-batches of `batch` -> (new state, metrics).
+
+    The micro-batch losses must already be normalised by the whole batch (token counts taken
+    once over all of it), so the sum is the one-big-batch gradient. Gradients are taken with
+    respect to the master params and accumulated in fp32, sharded like the params; metrics
+    combine by `losses.combine_metrics` (mins, maxes, sums)."""
+    if num_micro < 1 or batch["tokens"].shape[0] % num_micro:
+        raise ValueError(f"{batch['tokens'].shape[0]} rows do not split into "
+                         f"num_micro={num_micro} micro-batches")
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    micro = micro_split(batch, num_micro)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    if mesh is not None:
+        zeros = jax.lax.with_sharding_constraint(
+            zeros, models.param_shardings(model_cfg, mesh, state.params))
+    first = jax.tree.map(lambda x: x[0], micro)
+    metric_shapes = jax.eval_shape(micro_loss, state.params, first)[1]
+
+    def body(carry, mb):
+        g_acc, m_acc = carry
+        (_, m), g = grad_fn(state.params, mb)
+        g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+        return (g_acc, combine_metrics(m_acc, m)), None
+
+    (grads, metrics), _ = jax.lax.scan(body, (zeros, _metric_identity(metric_shapes)), micro)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics.update(grad_norm=optax.global_norm(grads), update_norm=optax.global_norm(updates))
+    lr = optim.learning_rate(opt_state)
+    if lr is not None:
+        metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+
+# --- Building the compiled functions (once, where the loop is built) ---------------------
+
+def init_train_state(params, tx) -> TrainState:
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+
+def train_state_shardings(model_cfg, tx, mesh) -> TrainState:
+    """Shardings of the train state, from shapes alone: optimizer leaves shaped like the
+    parameters follow the parameters' sharding, the rest (counts, hyper-parameters) are
+    replicated."""
+    shapes = models.abstract_params(model_cfg)
+    param_sh = models.param_shardings(model_cfg, mesh, shapes)
+    opt_shapes = jax.eval_shape(tx.init, shapes)
+    replicated = mesh_lib.replicated(mesh)
+    opt_sh = optax.tree_utils.tree_map_params(
+        tx, lambda _, sh: sh, opt_shapes, param_sh,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return TrainState(replicated, param_sh, opt_sh)
+
+
+def abstract_train_state(model_cfg, tx, mesh) -> TrainState:
+    """The train state as ShapeDtypeStructs carrying their shardings: what a checkpoint
+    restore reads into."""
+    shapes = models.abstract_params(model_cfg)
+    abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), shapes,
+                          jax.eval_shape(tx.init, shapes))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        abstract, train_state_shardings(model_cfg, tx, mesh))
+
+
+def make_init_fn(model_cfg, tx, mesh=None):
+    """rng -> TrainState, every array created directly in its sharding."""
+    def init(rng):
+        return init_train_state(models.init_params(model_cfg, rng), tx)
+    if mesh is None:
+        return jax.jit(init)
+    return jax.jit(init, out_shardings=train_state_shardings(model_cfg, tx, mesh))
+
+
+def jit_step(step, model_cfg, tx, mesh=None, *, uninit_scan: Optional[bool] = None):
+    """`step(state, batch, *extra) -> (state, metrics)` jitted once with the state donated;
+    with a mesh the state keeps its sharding, metrics are replicated and the batch keeps the
+    sharding it is placed in (`lrl.mesh.put_batch`). `uninit_scan` lowers it with the layer
+    scan's stacked outputs (saved residuals, weight gradients) uninitialised, not zero-filled
+    (`lrl.models.scan_buffers`). None: on one device only, where it measured faster; on two
+    GPUs with ring attention it was no faster and took more memory (BENCHMARKS.md)."""
+    if uninit_scan is None:
+        uninit_scan = mesh is None or mesh.size == 1
+    if mesh is None:
+        jitted = jax.jit(step, donate_argnums=(0,))
+    else:
+        state_sh = train_state_shardings(model_cfg, tx, mesh)
+        jitted = jax.jit(step, out_shardings=(state_sh, mesh_lib.replicated(mesh)),
+                         donate_argnums=(0,))
+    return UninitialisedScanJit(jitted) if uninit_scan else jitted
