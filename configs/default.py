@@ -106,9 +106,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.top_p = 1.0
     c.rl.estimator = "grpo"          # grpo | dr_grpo | rloo | reinforce_pp
     c.rl.epochs = 1                  # passes over each rollout batch
-    c.rl.minibatches = 2             # optimizer steps per epoch
-    c.rl.micro_batches = 1           # gradient accumulation inside one optimizer step
-    c.rl.row_len = 512               # packed row length for the update
+    c.rl.minibatches = 2             # optimizer steps per epoch (the step's samples split evenly)
+    c.rl.row_len = 512               # packed row length for the update; 0 = the token budget
+    c.rl.max_tokens_per_micro = 4096  # tokens a data shard takes per micro-batch (rows of
+                                     # row_len); 0 = the most device memory holds, derived at
+                                     # start-up from the compiled update (one row on a CPU)
     c.rl.logprob_chunk = 1024        # positions of every row per step of the log-prob scan
     c.rl.fused_head = True           # loss gradient formed in the lm head's forward (no logit
                                      # recompute; token-level ratios only, GSPO goes unfused)

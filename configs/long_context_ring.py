@@ -37,7 +37,8 @@ def get_config(arg: str | None = None):
                   answer_field="answer", max_prompt_len=122880, system_prompt="")
     c.sft.steps = 0
     c.rl.update(steps=200, prompts_per_step=8, group_size=8, max_new_tokens=8192,
-                temperature=1.0, epochs=1, minibatches=1, micro_batches=1, row_len=131072,
+                temperature=1.0, epochs=1, minibatches=1, row_len=131072,
+                max_tokens_per_micro=131072,   # one 128K row over the 8 seq devices
                 dynamic_sampling=True, overlong="mask",
                 # one long row a step: fewer, larger log-prob chunks re-read the fp32
                 # unembedding gradient less often (BENCHMARKS: 60.2% MFU at 32K with 8192)
@@ -54,13 +55,14 @@ def get_config(arg: str | None = None):
                        mlp_dim=64, dtype="float32", remat="none")
         c.mesh.update(data=1, fsdp=-1, seq=2, tensor=1)
         c.tokenizer.update(path="", vocab_size=320)
-        c.data.update(source="synthetic", task="kv_retrieval", max_prompt_len=256,
+        c.data.update(source="synthetic", task="kv_retrieval", max_prompt_len=248,
                       eval_size=4)
         c.data.task_kwargs.kv_retrieval.update(num_pairs=8, min_pairs=2)
         # A random policy never ends within 8 tokens: masking overlong samples would train
         # on nothing, so this smoke run keeps them.
         c.rl.update(steps=2, prompts_per_step=4, group_size=2, max_new_tokens=8, row_len=256,
-                    dynamic_sampling=False, overlong="none", logprob_chunk=256)
+                    max_tokens_per_micro=512, dynamic_sampling=False, overlong="none",
+                    logprob_chunk=256)
         c.reward.update(spec="synthetic:1.0", num_workers=0)
         c.rollout.update(page_size=16, max_slots=8, sp_min_tokens=48)
         c.eval.update(every=2, num_prompts=4, k=2, temperature=1.0)

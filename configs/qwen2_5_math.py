@@ -29,7 +29,9 @@ def get_config(arg: str | None = None):
     total = 16384 if arg == "1.5b" else 32768  # prompt + completion tokens per sample
     c.rl.update(steps=500, prompts_per_step=64 if arg == "1.5b" else 32, group_size=8,
                 max_new_tokens=total - 1024, temperature=1.0, estimator="grpo", epochs=1,
-                minibatches=4, micro_batches=2 if arg == "1.5b" else 4, row_len=total,
+                minibatches=4,
+                row_len=0,                     # rows of the token budget
+                max_tokens_per_micro=0,        # from the device's memory, at start-up
                 dynamic_sampling=True, max_resample=2, overlong="penalty",
                 overlong_buffer=4096, overlong_penalty=1.0)
     c.rl.loss.update(clip_low=0.2, clip_high=0.28, aggregation="token_mean", kl_coef=0.0)

@@ -54,8 +54,8 @@ def get_config(arg: str | None = None):
     c.mesh.update(data=1, fsdp=-1, seq=4, tensor=1)
     # 64 frames -> 32 temporal patches of at most 256 tokens: up to 8192 visual tokens a prompt.
     c.rl.update(steps=200, prompts_per_step=16, group_size=8, max_new_tokens=2048,
-                temperature=1.0, estimator="grpo", epochs=1, minibatches=2, micro_batches=1,
-                row_len=16384, overlong="penalty", overlong_buffer=512, overlong_penalty=1.0)
+                temperature=1.0, estimator="grpo", epochs=1, minibatches=2, row_len=16384,
+                max_tokens_per_micro=16384, overlong="penalty", overlong_buffer=512, overlong_penalty=1.0)
     c.rl.loss.update(clip_low=0.2, clip_high=0.28, aggregation="token_mean", kl_coef=0.0)
     c.optim.update(lr=1e-6, warmup_steps=10, weight_decay=0.0, b1=0.9, b2=0.999, clip_norm=1.0)
     c.reward.update(spec="choice:1.0", num_workers=8, timeout_s=10.0)
@@ -68,7 +68,7 @@ def get_config(arg: str | None = None):
         c.tokenizer.vocab_size = 320
         c.video.update(num_frames=4, min_tokens_per_frame=4, max_tokens_per_frame=16)
         c.rl.update(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=8, row_len=128,
-                    minibatches=1, overlong="none")
+                    max_tokens_per_micro=512, minibatches=1, overlong="none")
         c.optim.update(lr=1e-3, warmup_steps=1)
         c.reward.update(num_workers=0)
         c.rollout.update(max_slots=16, sp_min_tokens=0)

@@ -76,7 +76,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # --- GRPO -------------------------------------------------------------------------------
     c.rl.update(steps=20, prompts_per_step=8, group_size=8, max_new_tokens=16,
                 temperature=1.0, top_k=0, top_p=1.0, estimator="grpo", epochs=1,
-                minibatches=1, micro_batches=1, row_len=256, logprob_chunk=1024,
+                minibatches=1, row_len=256, max_tokens_per_micro=1024, logprob_chunk=1024,
                 fused_head=True, overlong="none", overlong_buffer=4, overlong_penalty=1.0)
     c.rl.loss.update(clip_low=0.2, clip_high=0.28, dual_clip=0.0, ratio_level="token",
                      aggregation="token_mean", kl_coef=0.0, kl_estimator="k3",

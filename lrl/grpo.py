@@ -1,15 +1,20 @@
 """The host half of a GRPO step, as one function: `step(setup, state, it, i)` collects G
 samples per prompt (with dynamic sampling), scores and shapes them, turns rewards into
-advantages, keeps this process's share, packs update rows, cuts minibatches, takes the old
-and reference log-probs, and runs the updates. The device half (the jitted update and
-log-prob programs, the rollout engine) is built once by the loop and handed in as `Setup`.
+advantages, keeps this process's share, cuts it into minibatches of samples, packs each into
+rows and micro-batches of one fixed shape, takes the old and reference log-probs, and runs
+the updates. The device half (the update and log-prob programs, compiled once for that
+micro-batch shape, and the rollout engine) is built once by the loop and handed in as
+`Setup`.
 
 Each stage is a module-level function of plain values that returns new values (`Groups` is
 frozen), so the order of calls is the data flow below and each stage can be read, tested and
 swapped alone:
 
-    collect -> shape_overlong -> advantages -> process_share -> pack -> minibatches
-            -> old_and_ref_logps -> updates
+    collect -> shape_overlong -> advantages -> process_share -> minibatches (pack, micro-
+            batches, placed) -> old_and_ref_logps -> updates
+
+A micro-batch is [rows_per_micro, row_len] for the whole run: a minibatch's token count
+changes only how many micro-batches it has (one `accumulate` call each), never a shape.
 
 P prompts · G samples per prompt · B packed rows · T positions.
 """
@@ -77,9 +82,13 @@ class Setup:
     mesh: object
     eos_ids: tuple
     pool: object                  # lrl.rewards.RewardPool
-    update: Callable              # jitted (state, batch, extra) -> (state, metrics)
-    logprobs: Optional[Callable]  # jitted (params, batch, extra) -> logp_BT, when needed
+    update: object                # rl.update.UpdatePrograms for one micro-batch shape
+    logprobs: Optional[Callable]  # jitted (params, micro_batch, extra) -> logp_BT, when needed
     shards: int                   # data-parallel shards of the mesh (data x fsdp)
+    row_len: int                  # T of a packed row
+    rows_per_shard: int           # rows a data shard holds in one micro-batch
+    max_segments: int             # sequences a row may hold (the attention's packed runs)
+    max_len: Optional[int] = None # the loss's max_len (seq_mean_token_sum_norm)
     prefill: Optional[Callable] = None   # sequence-parallel prefill of long prompts
     ref_params: object = None     # the frozen reference, when KL is on
 
@@ -229,56 +238,113 @@ def process_share(P: int) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- update rows
 
-def pack(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray, *,
-         min_rows: int = 0):
-    """Packs prompt+completion rows for the update; the loss mask covers completion tokens
-    (times the overlong weight); the sampler's log-probs ride along as old log-probs when
-    they serve. The task adds its own row arrays. -> (rows, layout, forward extra)."""
-    rl_ = s.rl
+@dataclasses.dataclass
+class Minibatch:
+    """One optimizer step's micro-batches (on the devices), the loss denominators of the whole
+    minibatch (over every process) and what the forward reads besides tokens."""
+    micro: list
+    denoms: object
+    extra: object
+    tokens: int          # real tokens in this process's micro-batches
+    slots: int           # row_len x rows of this process's micro-batches
+
+
+def pack(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray,
+         samples: np.ndarray):
+    """The `samples` (flat indices p*G + g) packed best-fit into rows of `s.row_len`; the loss
+    mask covers completion tokens (times the overlong weight); the sampler's log-probs ride
+    along as old log-probs when they serve; the task adds its own row arrays. -> (rows,
+    layout, forward extra)."""
     G = groups.group_size
-    prompt_ids = [groups.prompts[i // G].ids for i in range(len(groups.completions))]
-    token_values = {"completion_weight": [np.full(len(c), w, np.float32)
-                                          for c, w in zip(groups.completions, weight)]}
-    if rl_.old_logp == "sampler":
-        token_values["old_logp"] = list(groups.logps)
-    rows, layout = packing.pack(prompt_ids, list(groups.completions), rl_.row_len,
-                                seq_values={"advantages": adv_PG.reshape(-1)},
-                                token_values=token_values,
-                                rows_multiple=rl_.minibatches * rl_.micro_batches * s.shards,
-                                min_rows=min_rows, truncate=True)
+    sample_prompts = [groups.prompts[i // G] for i in samples]
+    comps = [groups.completions[i] for i in samples]
+    token_values = {"completion_weight": [np.full(len(groups.completions[i]), weight[i],
+                                                  np.float32) for i in samples]}
+    if s.rl.old_logp == "sampler":
+        token_values["old_logp"] = [groups.logps[i] for i in samples]
+    rows, layout = packing.pack([p.ids for p in sample_prompts], comps, s.row_len,
+                                seq_values={"advantages": adv_PG.reshape(-1)[samples]},
+                                token_values=token_values, truncate=True, fit="best",
+                                max_segments=s.max_segments)
     rows["loss_mask"] = rows["loss_mask"] * rows.pop("completion_weight")
-    rows, extra = s.task.update_inputs(rows, layout, list(groups.prompts), G)
+    rows, extra = s.task.update_inputs(rows, layout, sample_prompts)
     return rows, layout, extra
 
 
-def minibatches(s: Setup, rows: dict) -> list[dict]:
-    """`rl.minibatches` equal slices of the rows, each placed on the devices."""
-    n = s.rl.minibatches
-    per = rows["tokens"].shape[0] // n
-    return [mesh_lib.put_batch(s.mesh, {k: v[i * per:(i + 1) * per] for k, v in rows.items()})
-            for i in range(n)]
+def minibatches(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray):
+    """This process's samples cut into `rl.minibatches` minibatches of samples, each packed
+    and cut into micro-batches of the run's one shape, placed on the devices. -> (list of
+    Minibatch, truncated sample count)."""
+    local_shards = max(1, s.shards // jax.process_count())
+    out, truncated = [], 0
+    for samples in np.array_split(np.arange(len(groups.completions)), s.rl.minibatches):
+        rows, layout, extra = pack(s, groups, adv_PG, weight, samples)
+        truncated += layout["num_truncated"]
+        micro = packing.micro_batches(rows, local_shards, s.rows_per_shard)
+        # Every process must run as many micro-batches: the short ones add empty ones.
+        n = distributed.max_over_processes(len(micro))
+        micro += [{k: np.zeros_like(v) for k, v in micro[0].items()}] * (n - len(micro))
+        denoms = _global_denominators(micro, s.max_len)
+        tokens = int(sum((mb["segment_ids"] > 0).sum() for mb in micro))
+        out.append(Minibatch([mesh_lib.put_batch(s.mesh, mb) for mb in micro], denoms, extra,
+                             tokens, len(micro) * micro[0]["tokens"].size))
+    return out, truncated
 
 
-def old_and_ref_logps(s: Setup, params, batches: list[dict], extra) -> list[dict]:
-    """Each minibatch with the old policy's log-probs (when a trainer forward gives them) and
+def micro_batch_spec(s_rl, task, mesh, rows: int, T: int, kl: bool) -> dict:
+    """The arrays of one micro-batch as the update receives them (ShapeDtypeStructs with
+    their shardings): what the update is compiled for, before any step has run."""
+    keys = {k: ((rows, T), np.int32) for k in ("tokens", "positions", "segment_ids", "targets")}
+    keys.update({k: ((rows, T), np.float32) for k in ("loss_mask", "advantages")})
+    if s_rl.old_logp != "none":
+        keys["old_logp"] = ((rows, T), np.float32)
+    if kl:
+        keys["ref_logp"] = ((rows, T), np.float32)
+    keys.update(task.row_specs(rows, T))
+    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=(
+        mesh_lib.row_sharding(mesh, np.zeros((1,) * len(shape))) if mesh is not None else None))
+        for k, (shape, dtype) in keys.items()}
+
+
+def _global_denominators(micro, max_len):
+    """The minibatch's loss denominators over every process's micro-batches."""
+    from lrl.rl.update import host_denominators
+    d = host_denominators(micro, max_len)
+    if jax.process_count() == 1:
+        return d
+    parts = distributed.allgather_objects((float(d.tokens), float(d.sequences)))
+    tokens, sequences = (sum(p[i] for p in parts) for i in (0, 1))
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    return type(d)(f32(tokens), f32(sequences),
+                   f32(sequences * (max_len if max_len is not None else np.nan)))
+
+
+def old_and_ref_logps(s: Setup, params, batches: list[Minibatch]) -> list[Minibatch]:
+    """Each micro-batch with the old policy's log-probs (when a trainer forward gives them) and
     the reference's (with KL), taken before any update of this step."""
+    if s.rl.old_logp != "trainer" and s.ref_params is None:
+        return batches
     out = []
-    for batch in batches:
-        batch = dict(batch)
-        if s.rl.old_logp == "trainer":
-            batch["old_logp"] = s.logprobs(params, batch, extra)
-        if s.ref_params is not None:
-            batch["ref_logp"] = s.logprobs(s.ref_params, batch, extra)
-        out.append(batch)
+    for b in batches:
+        micro = []
+        for mb in b.micro:
+            mb = dict(mb)
+            if s.rl.old_logp == "trainer":
+                mb["old_logp"] = s.logprobs(params, mb, b.extra)
+            if s.ref_params is not None:
+                mb["ref_logp"] = s.logprobs(s.ref_params, mb, b.extra)
+            micro.append(mb)
+        out.append(dataclasses.replace(b, micro=micro))
     return out
 
 
-def updates(s: Setup, state, batches: list[dict], extra):
-    """epochs x minibatches of the update step; the metrics are the last update's."""
+def updates(s: Setup, state, batches: list[Minibatch]):
+    """epochs x minibatches optimizer steps; the metrics are the last one's."""
+    from lrl.rl.update import run_update
     metrics = None
     for _ in range(s.rl.epochs):
-        for batch in batches:
-            state, metrics = s.update(state, batch, extra)
+        for b in batches:
+            state, metrics = run_update(s.update, state, b.micro, b.denoms, b.extra)
     return state, jax.device_get(metrics)
 
 
@@ -291,21 +357,18 @@ def step(s: Setup, state, it, step_index: int):
     adv_PG = advantages(groups, s.rl.estimator)
     mine = process_share(groups.P)
     local = groups.take(mine)
-    local_weight = weight[np.repeat(mine, groups.group_size)]
-    rows, layout, extra = pack(s, local, adv_PG[mine], local_weight)
-    # Every process must feed the same number of rows into the global batch.
-    n_rows = distributed.max_over_processes(rows["tokens"].shape[0])
-    if n_rows != rows["tokens"].shape[0]:
-        rows, layout, extra = pack(s, local, adv_PG[mine], local_weight, min_rows=n_rows)
-    batches = old_and_ref_logps(s, state.params, minibatches(s, rows), extra)
+    batches, truncated = minibatches(s, local, adv_PG[mine],
+                                     weight[np.repeat(mine, groups.group_size)])
+    batches = old_and_ref_logps(s, state.params, batches)
     t0 = time.time()
-    state, um = updates(s, state, batches, extra)
+    state, um = updates(s, state, batches)
     m.update(um)
+    tokens, slots = sum(b.tokens for b in batches), sum(b.slots for b in batches)
     m.update({"time/update_s": time.time() - t0,
               "advantage/abs_mean": float(np.abs(adv_PG).mean()),
-              "pack/rows": rows["tokens"].shape[0],
-              "pack/fill": float((rows["segment_ids"] > 0).mean()),
-              "pack/truncated": layout["num_truncated"]})
+              "pack/micro_batches": sum(len(b.micro) for b in batches),
+              "pack/tokens": tokens, "pack/fill": tokens / max(slots, 1),
+              "pack/truncated": truncated})
     return state, m, groups
 
 

@@ -20,8 +20,11 @@ from lrl import distributed
 from lrl import experiment as ex
 from lrl import grpo, tasks
 from lrl import mesh as mesh_lib
+from lrl import options as options_lib
 from lrl.metrics import MetricsWriter
+from lrl.models.flash import MAX_SEGMENTS
 from lrl.options import as_dict
+from lrl.rl import budget as budget_lib
 from lrl.rl import train as train_lib
 from lrl.rl import update as update_lib
 from lrl.rl.sft import make_sft_fn
@@ -141,27 +144,52 @@ def sft_phase(r: Run, state, tx, steps: int, data_state: dict):
 # ----------------------------------------------------------------------------- GRPO
 
 def build_grpo(r: Run, state, tx, pool) -> grpo.Setup:
-    """The GRPO step's compiled programs and fixed inputs, built once for the phase."""
+    """The GRPO step's compiled programs and fixed inputs, built once for the phase: the
+    update for one micro-batch shape (its token budget from the config or from device
+    memory), the old / reference log-prob pass, the sequence-parallel prefill."""
     opts, task, mesh = r.opts, r.task, r.mesh
     rl_ = opts.rl
     loss_cfg = ex.loss_config(opts)
-    kw = dict(num_micro=rl_.micro_batches, chunk=rl_.logprob_chunk, hidden=task.hidden,
-              extra_keys=task.extra_keys)
-    update_fn = update_lib.make_update_fn(task.model_cfg, loss_cfg, tx, mesh,
-                                          fused_head=rl_.fused_head, **kw)
+    kw = dict(chunk=rl_.logprob_chunk, hidden=task.hidden, extra_keys=task.extra_keys)
+    update = update_lib.make_update_programs(task.model_cfg, loss_cfg, tx, mesh,
+                                             fused_head=rl_.fused_head, **kw)
+    shards = ex.data_shards(mesh)
+    kl = bool(loss_cfg.kl_coef)
+    memory = budget_lib.device_memory(jax.local_devices()[0])
+
+    def need(rows_per_shard, row_len):
+        spec = grpo.micro_batch_spec(rl_, task, mesh, shards * rows_per_shard, row_len, kl)
+        return update_lib.need_bytes(update, state.params, spec, task.extra_spec())
+
+    available = None
+    if memory is not None:   # what the update may add to what is live now (the train state)
+        limit, in_use = memory
+        available = int(budget_lib.USABLE * limit) - in_use - (kl and _bytes(state.params))
+    budget = budget_lib.resolve(
+        row_len=rl_.row_len, max_tokens=rl_.max_tokens_per_micro,
+        longest=options_lib.longest_sample(opts),
+        unit=sp_prefill.length_unit(opts.model.attention, mesh.shape["seq"]),
+        need_bytes=need, available=available)
+    log.info("update micro-batch: %s", budget.describe())
     logp_fn = None
-    if rl_.old_logp == "trainer" or loss_cfg.kl_coef:
+    if rl_.old_logp == "trainer" or kl:
         logp_fn = update_lib.make_logprobs_fn(task.model_cfg, mesh, **kw)
     prefill = None
     if opts.model.attention != "dense" and mesh.shape["seq"] > 1:
         prefill = sp_prefill.make_prefill(mesh, opts.rollout.sp_min_tokens)
     return grpo.Setup(
         rl=rl_, rollout=opts.rollout, seed=opts.seed, task=task, tokenizer=task.tokenizer,
-        model_cfg=task.model_cfg, mesh=mesh, eos_ids=r.eos_ids, pool=pool, update=update_fn,
-        logprobs=logp_fn, shards=ex.data_shards(mesh), prefill=prefill,
+        model_cfg=task.model_cfg, mesh=mesh, eos_ids=r.eos_ids, pool=pool, update=update,
+        logprobs=logp_fn, shards=shards, row_len=budget.row_len,
+        rows_per_shard=budget.rows_per_shard, max_segments=MAX_SEGMENTS,
+        max_len=loss_cfg.max_len, prefill=prefill,
         # The frozen reference: the policy as this phase starts.
-        ref_params=(jax.tree.map(lambda x: x.copy(), state.params) if loss_cfg.kl_coef
-                    else None))
+        ref_params=jax.tree.map(lambda x: x.copy(), state.params) if kl else None)
+
+
+def _bytes(tree) -> int:
+    """Bytes of a tree's arrays on one device."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
 def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> dict:

@@ -83,6 +83,12 @@ def _plain(x):
     return x
 
 
+_RENAMED = {
+    "rl.micro_batches": "micro-batches are now cut by tokens, not counted: set "
+                        "rl.max_tokens_per_micro (0 = from device memory) instead",
+}
+
+
 def _read(cls, section, prefix: str, **nested):
     """`cls` from a config section: every field present, no key unknown, each checked."""
     if section is None:
@@ -92,6 +98,9 @@ def _read(cls, section, prefix: str, **nested):
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(given) - set(names))
     missing = sorted(set(names) - set(given) - set(nested))
+    renamed = {k: _RENAMED[f"{prefix}.{k}"] for k in unknown if f"{prefix}.{k}" in _RENAMED}
+    if renamed:
+        raise ValueError("; ".join(f"{prefix}.{k}: {why}" for k, why in renamed.items()))
     if unknown or missing:
         raise ValueError(f"config section {prefix!r}: unknown keys {unknown} / missing keys "
                          f"{missing}; its keys are {names}")
@@ -206,8 +215,8 @@ class RLOptions:
     estimator: str = _opt(choices=("grpo", "dr_grpo", "rloo", "reinforce_pp"))
     epochs: int = _opt(ge=1)
     minibatches: int = _opt(ge=1)
-    micro_batches: int = _opt(ge=1)
-    row_len: int = _opt(ge=2)
+    row_len: int = _opt(ge=0)              # 0 = the token budget
+    max_tokens_per_micro: int = _opt(ge=0)  # 0 = derived from device memory
     logprob_chunk: int = _opt(ge=1)
     fused_head: bool = _opt()
     recompute_old_logp: bool = _opt()
@@ -398,6 +407,7 @@ def _check_across(o: Options) -> None:
     if o.rl.overlong == "penalty" and not 1 <= o.rl.overlong_buffer <= o.rl.max_new_tokens:
         raise ValueError(f"rl.overlong_buffer={o.rl.overlong_buffer}: the penalty ramps over "
                          f"1 to rl.max_new_tokens={o.rl.max_new_tokens} tokens")
+    _check_budget(o)
     if o.rl.loss.dual_clip and o.rl.loss.dual_clip <= 1.0:
         raise ValueError(f"rl.loss.dual_clip={o.rl.loss.dual_clip}: must be 0 (off) or > 1 "
                          "(verl uses 3)")
@@ -409,6 +419,36 @@ def _check_across(o: Options) -> None:
         if v.min_tokens_per_frame > v.max_tokens_per_frame:
             raise ValueError(f"video.min_tokens_per_frame={v.min_tokens_per_frame} > "
                              f"video.max_tokens_per_frame={v.max_tokens_per_frame}")
+
+
+def longest_sample(o: Options) -> Optional[int]:
+    """The most tokens one update sample can have (prompt + completion), when the options
+    bound it: text prompts are cut at data.max_prompt_len; a video prompt's length is known
+    only once its video is decoded (a prompt that does not fit rl.row_len is skipped)."""
+    if o.task == "text":
+        return o.data.max_prompt_len + o.rl.max_new_tokens
+    return None
+
+
+def _check_budget(o: Options) -> None:
+    """A sample must fit one packed row, and a row one micro-batch, before any compile."""
+    rl = o.rl
+    if rl.row_len == 1:
+        raise ValueError("rl.row_len=1: a packed row needs at least 2 tokens (or 0: the budget)")
+    if o.task == "video" and rl.row_len == 0:
+        raise ValueError("rl.row_len=0: the video task needs a row length (its prompts' "
+                         "lengths are known only once the videos are decoded)")
+    if rl.max_tokens_per_micro and rl.row_len > rl.max_tokens_per_micro:
+        raise ValueError(f"rl.row_len={rl.row_len} > rl.max_tokens_per_micro="
+                         f"{rl.max_tokens_per_micro}: a micro-batch holds at least one row")
+    longest = longest_sample(o)
+    row = rl.row_len or rl.max_tokens_per_micro
+    if o.job == "grpo" and longest is not None and row and row < longest:
+        key = "rl.row_len" if rl.row_len else "rl.max_tokens_per_micro"
+        raise ValueError(f"{key}={row}: a sample can have {longest} tokens "
+                         f"(data.max_prompt_len={o.data.max_prompt_len} + rl.max_new_tokens="
+                         f"{rl.max_new_tokens}) and must fit one packed row; raise {key} or "
+                         "lower those")
 
 
 def _expand(key: str, paths: str) -> None:

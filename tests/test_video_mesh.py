@@ -57,7 +57,8 @@ def _groups_and_rows(rng):
         seq_values={"advantages": adv},
         token_values={"old_logp": [(-rng.rand(len(c)) * 0.3).astype(np.float32) for c in comps]},
         rows_multiple=4, truncate=True)
-    return video.add_visual_rows(VL, rows, layout, prompts, [0, 8], G)
+    return video.add_visual_rows(VL, rows, layout, [prompts[i // G] for i in range(2 * G)],
+                                 [8 * (i // G) for i in range(2 * G)])
 
 
 def test_vl_update_with_ring_attention_equals_the_single_device_step():

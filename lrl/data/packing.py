@@ -18,9 +18,16 @@ A sequence is ``prompt + completion``; several sequences share a row, each one a
                              token j) at the position whose target is that token, else 0
 
 Rows are filled by first-fit decreasing (longest sequence first, into the first row with
-room), and their number is padded with empty rows up to a multiple the caller gives, so the
-batch divides over devices and micro-batches. `unpack` inverts `pack` through the returned
-layout; `sft_pack` is `pack` for (prompt, response) records.
+room) or, `fit="best"`, best-fit decreasing (into the row it fills most), with at most
+`max_segments` sequences a row when given (cuDNN's packed attention takes a bounded number
+of runs a row). Their number is padded with empty rows up to a multiple the caller gives.
+`unpack` inverts `pack` through the returned layout; `sft_pack` is `pack` for
+(prompt, response) records.
+
+For an update cut by a token budget, `balance_rows` spreads the packed rows over the
+data-parallel shards so every shard gets nearly the same tokens (largest row first, to the
+shard with the fewest tokens, as LPT scheduling), and `micro_batches` cuts the rows into
+micro-batches of one shape [shards x rows_per_shard, T], each shard's rows in its block.
 """
 from __future__ import annotations
 
@@ -60,6 +67,84 @@ def first_fit(lengths: Sequence[int], row_len: int, *, decreasing: bool = True,
     return row, start
 
 
+def best_fit(lengths: Sequence[int], row_len: int, *,
+             max_segments: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Best-fit decreasing: longest sequence first, each into the open row whose room it
+    fills most (a new row when none has room, or when the rows with room hold
+    `max_segments` sequences already). Returns (row, start) per sequence, in input order;
+    ties keep input order, so the placement is deterministic."""
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.size and lengths.max() > row_len:
+        i = int(np.argmax(lengths))
+        raise ValueError(f"best_fit: sequence {i} has {lengths[i]} tokens > row_len {row_len}")
+    if max_segments is not None and max_segments < 1:
+        raise ValueError(f"best_fit: max_segments={max_segments} must be >= 1")
+    order = np.argsort(-lengths, kind="stable")
+    row = np.full(lengths.size, -1, np.int64)
+    start = np.full(lengths.size, -1, np.int64)
+    used = np.zeros(0, np.int64)
+    count = np.zeros(0, np.int64)
+    for i in order:
+        room = row_len - used - lengths[i]
+        ok = room >= 0
+        if max_segments is not None:
+            ok &= count < max_segments
+        if ok.any():
+            r = int(np.flatnonzero(ok)[np.argmin(room[ok])])
+        else:
+            r = used.size
+            used, count = np.append(used, 0), np.append(count, 0)
+        row[i], start[i] = r, used[r]
+        used[r] += lengths[i]
+        count[r] += 1
+    return row, start
+
+
+def balance_rows(row_tokens: Sequence[int], num_shards: int) -> list[list[int]]:
+    """Rows -> the rows of each data shard: largest first, each to the shard with the fewest
+    tokens among those with the fewest rows, so the shards' row counts differ by at most one
+    and their token counts are close (LPT under equal counts)."""
+    tokens = np.asarray(row_tokens, np.int64)
+    shards: list[list[int]] = [[] for _ in range(num_shards)]
+    load = np.zeros(num_shards, np.int64)
+    for r in np.argsort(-tokens, kind="stable"):
+        counts = np.array([len(s) for s in shards])
+        open_ = np.flatnonzero(counts == counts.min())
+        s = int(open_[np.argmin(load[open_])])
+        shards[s].append(int(r))
+        load[s] += tokens[r]
+    return shards
+
+
+def micro_batches(batch: Mapping[str, np.ndarray], num_shards: int,
+                  rows_per_shard: int) -> list[dict[str, np.ndarray]]:
+    """Packed rows -> micro-batches of [num_shards x rows_per_shard, ...] arrays. Rows are
+    balanced over shards by tokens (`balance_rows`); micro-batch i holds rows i·k .. i·k+k-1
+    of each shard's list, shard s in rows [s·k, (s+1)·k) (rows shard over devices in
+    contiguous blocks). A shard short of rows gets empty ones (all zeros, segment 0: no
+    loss, no gradient). Rows with no token at all are dropped first: they cost nothing."""
+    seg = np.asarray(batch["segment_ids"])
+    tokens = (seg > 0).sum(axis=1)
+    live = np.flatnonzero(tokens > 0)
+    per_shard = balance_rows(tokens[live], num_shards)
+    k = int(rows_per_shard)
+    n = max(1, max(-(-len(p) // k) for p in per_shard))
+    out = []
+    for i in range(n):
+        pick = np.full(num_shards * k, -1, np.int64)
+        for s, rows in enumerate(per_shard):
+            part = rows[i * k:(i + 1) * k]
+            pick[s * k:s * k + len(part)] = live[part]
+        mb = {}
+        for key, x in batch.items():
+            x = np.asarray(x)
+            y = np.zeros((num_shards * k,) + x.shape[1:], x.dtype)
+            y[pick >= 0] = x[pick[pick >= 0]]
+            mb[key] = y
+        out.append(mb)
+    return out
+
+
 def _as_ids(x: Any, what: str) -> np.ndarray:
     a = np.asarray(x)
     if a.ndim != 1 or not (a.size == 0 or np.issubdtype(a.dtype, np.integer)):
@@ -72,7 +157,8 @@ def pack(prompts: Sequence[Any], completions: Sequence[Any], row_len: int, *,
          seq_values: Mapping[str, Sequence[float]] | None = None,
          token_values: Mapping[str, Sequence[Any]] | None = None,
          rows_multiple: int = 1, min_rows: int = 0, truncate: bool = False,
-         decreasing: bool = True) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+         decreasing: bool = True, fit: str = "first",
+         max_segments: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Packs ``prompts[i] + completions[i]`` into rows of `row_len` tokens.
 
     `seq_values[key][i]` is broadcast over sequence i; `token_values[key][i]` has one value per
@@ -128,7 +214,13 @@ def pack(prompts: Sequence[Any], completions: Sequence[Any], row_len: int, *,
 
     p_len = np.array([len(x) for x in p_ids], np.int64)
     c_len = np.array([len(x) for x in c_ids], np.int64)
-    row, start = first_fit(p_len + c_len, row_len, decreasing=decreasing)
+    if fit == "best":
+        row, start = best_fit(p_len + c_len, row_len, max_segments=max_segments)
+    elif fit == "first" and max_segments is None:
+        row, start = first_fit(p_len + c_len, row_len, decreasing=decreasing)
+    else:
+        raise ValueError(f"pack: fit={fit!r} (max_segments only with fit='best'); choose "
+                         "'first' or 'best'")
     num_rows = max(int(row.max()) + 1 if n else 0, min_rows)
     num_rows = -(-num_rows // rows_multiple) * rows_multiple
 

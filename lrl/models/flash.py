@@ -384,8 +384,13 @@ def block_attention_bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BNT, do_BTNH, *, mas
 
 # ----------------------------------------------------------------------------- dense entry
 
+# Runs (packed sequences) a row may hold in cuDNN's packed layout as lrl calls it; the packer
+# of update rows (`lrl.grpo.pack`) never puts more in a row.
+MAX_SEGMENTS = 64
+
+
 def dense_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, implementation=None,
-                    scale=None, max_segments=64, q_chunk=512, kv_chunk=512):
+                    scale=None, max_segments=MAX_SEGMENTS, q_chunk=512, kv_chunk=512):
     """Whole-sequence causal attention within segments (segment_ids_BT may be None) -> o.
 
     cuDNN (GPU): without segment ids a plain causal kernel; with them cuDNN's packed layout

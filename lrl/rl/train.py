@@ -1,13 +1,24 @@
-"""What every training objective shares: the train state, its shardings, splitting a batch
-into micro-batches, accumulating their gradients and applying one optimizer update, and
-jitting such a step once over the mesh. The policy update (`lrl.rl.update`) and SFT
-(`lrl.rl.sft`) are each a micro-batch loss handed to `accumulate_and_apply`.
+"""What every training objective shares: the train state, its shardings, accumulating the
+gradients of micro-batches and applying one optimizer update, and jitting such steps once
+over the mesh. The policy update (`lrl.rl.update`) and SFT (`lrl.rl.sft`) are each a
+micro-batch loss handed to this skeleton, in one of two forms:
+
+- `accumulate_and_apply`: one program over a whole batch, its micro-batches summed by a
+  `lax.scan` (the batch's shape is the program's);
+- `AccumulatePrograms`: three programs compiled once for one micro-batch shape, driven from
+  the host (`run_accumulated`): `start` zeroes an accumulator, `accumulate` adds one
+  micro-batch's gradient and metrics into it, `apply` takes the optimizer step. A step's
+  number of micro-batches can change from step to step without a compile.
+
+Both give the one-big-batch gradient when the micro-batch losses are normalised by the whole
+batch (token and sequence counts taken once over all of it).
 
 B batch rows · T positions · M micro-batches.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+import functools
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +70,27 @@ def _metric_identity(shapes):
             for k, s in shapes.items()}
 
 
+def _finish(state: TrainState, grads, metrics, tx):
+    """The optimizer step on accumulated fp32 gradients -> (new state, metrics)."""
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, grad_norm=optax.global_norm(grads),
+                   update_norm=optax.global_norm(updates))
+    lr = optim.learning_rate(opt_state)
+    if lr is not None:
+        metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def _zero_grads(model_cfg, params, mesh):
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    if mesh is not None:  # the accumulator lives sharded like the parameters
+        zeros = jax.lax.with_sharding_constraint(
+            zeros, models.param_shardings(model_cfg, mesh, params))
+    return zeros
+
+
 def accumulate_and_apply(state: TrainState, batch, micro_loss: Callable, *, model_cfg, tx,
                          mesh=None, num_micro: int = 1):
     """One optimizer update from the gradient of `micro_loss(params, mb) -> (loss, metrics)`
@@ -73,10 +105,7 @@ def accumulate_and_apply(state: TrainState, batch, micro_loss: Callable, *, mode
                          f"num_micro={num_micro} micro-batches")
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     micro = micro_split(batch, num_micro)
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-    if mesh is not None:
-        zeros = jax.lax.with_sharding_constraint(
-            zeros, models.param_shardings(model_cfg, mesh, state.params))
+    zeros = _zero_grads(model_cfg, state.params, mesh)
     first = jax.tree.map(lambda x: x[0], micro)
     metric_shapes = jax.eval_shape(micro_loss, state.params, first)[1]
 
@@ -87,14 +116,79 @@ def accumulate_and_apply(state: TrainState, batch, micro_loss: Callable, *, mode
         return (g_acc, combine_metrics(m_acc, m)), None
 
     (grads, metrics), _ = jax.lax.scan(body, (zeros, _metric_identity(metric_shapes)), micro)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics.update(grad_norm=optax.global_norm(grads), update_norm=optax.global_norm(updates))
-    lr = optim.learning_rate(opt_state)
-    if lr is not None:
-        metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
-    return TrainState(state.step + 1, params, opt_state), metrics
+    return _finish(state, grads, metrics, tx)
+
+
+# --- One micro-batch shape, driven from the host -------------------------------------------
+
+class Accumulator(NamedTuple):
+    grads: Any        # fp32, sharded like the parameters
+    metrics: dict     # combined by `losses.combine_metrics`
+
+
+class AccumulatePrograms(NamedTuple):
+    """start(params, mb, *args) -> Accumulator; accumulate(params, acc, mb, *args) -> acc
+    (acc donated); apply(state, acc) -> (state, metrics) (the state donated; the accumulator
+    has no output of its shape to alias, and is dropped by the caller). `*args` are the
+    micro-batch loss's other arguments (e.g. the batch's loss denominators, a visual table)."""
+    start: Callable
+    accumulate: Callable
+    apply: Callable
+
+
+def _start(params, mb, *args, micro_loss, model_cfg, mesh):
+    shapes = jax.eval_shape(micro_loss, params, mb, *args)[1]
+    return Accumulator(_zero_grads(model_cfg, params, mesh), _metric_identity(shapes))
+
+
+def _accumulate(params, acc: Accumulator, mb, *args, micro_loss, mesh):
+    (_, m), g = jax.value_and_grad(micro_loss, has_aux=True)(params, mb, *args)
+    grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc.grads, g)
+    return Accumulator(grads, combine_metrics(acc.metrics, m))
+
+
+def _apply(state: TrainState, acc: Accumulator, *, tx):
+    return _finish(state, acc.grads, acc.metrics, tx)
+
+
+def make_accumulate_programs(micro_loss: Callable, model_cfg, tx, mesh=None, *,
+                             uninit_scan: Optional[bool] = None) -> AccumulatePrograms:
+    """The three programs for `micro_loss(params, mb, *args) -> (loss, metrics)`, jitted once:
+    each compiles once per micro-batch shape. With a mesh the accumulator's gradients keep the
+    parameters' sharding, the state keeps its own, metrics are replicated. `uninit_scan`: as
+    `jit_step`, for `accumulate` (the program that runs the layer scans)."""
+    if uninit_scan is None:
+        uninit_scan = mesh is None or mesh.size == 1
+    start = functools.partial(_start, micro_loss=micro_loss, model_cfg=model_cfg, mesh=mesh)
+    acc = functools.partial(_accumulate, micro_loss=micro_loss, mesh=mesh)
+    apply = functools.partial(_apply, tx=tx)
+    if mesh is None:
+        jit_acc = jax.jit(acc, donate_argnums=(1,))
+        programs = AccumulatePrograms(jax.jit(start), jit_acc, jax.jit(apply, donate_argnums=(0,)))
+    else:
+        rep = mesh_lib.replicated(mesh)
+        grads_sh = models.param_shardings(model_cfg, mesh)
+        acc_sh = Accumulator(grads_sh, rep)
+        state_sh = train_state_shardings(model_cfg, tx, mesh)
+        jit_acc = jax.jit(acc, donate_argnums=(1,), out_shardings=acc_sh)
+        programs = AccumulatePrograms(jax.jit(start, out_shardings=acc_sh), jit_acc,
+                                      jax.jit(apply, donate_argnums=(0,),
+                                              out_shardings=(state_sh, rep)))
+    if uninit_scan:
+        programs = programs._replace(accumulate=UninitialisedScanJit(programs.accumulate))
+    return programs
+
+
+def run_accumulated(programs: AccumulatePrograms, state: TrainState, micro_batches: Sequence,
+                    *args):
+    """One optimizer update over `micro_batches` (already placed on the devices) -> (new
+    state, metrics): one `accumulate` call each, then `apply`."""
+    if not micro_batches:
+        raise ValueError("run_accumulated: no micro-batches")
+    acc = programs.start(state.params, micro_batches[0], *args)
+    for mb in micro_batches:
+        acc = programs.accumulate(state.params, acc, mb, *args)
+    return programs.apply(state, acc)
 
 
 # --- Building the compiled functions (once, where the loop is built) ---------------------

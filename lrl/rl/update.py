@@ -24,11 +24,13 @@ Dimension letters: B batch rows · T positions · D model width · V vocabulary.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lrl import mesh as mesh_lib
@@ -36,9 +38,10 @@ from lrl import models
 from lrl.rl import losses
 from lrl.rl.fused_head import fused_token_loss
 from lrl.rl.logprobs import token_logprobs_and_entropy
-from lrl.rl.train import (TrainState, abstract_train_state, accumulate_and_apply,  # noqa: F401
-                          constrain_batch, init_train_state, jit_step, make_init_fn,
-                          micro_merge, micro_split, train_state_shardings)
+from lrl.rl.train import (AccumulatePrograms, TrainState, abstract_train_state,  # noqa: F401
+                          accumulate_and_apply, constrain_batch, init_train_state, jit_step,
+                          make_accumulate_programs, make_init_fn, micro_merge, micro_split,
+                          run_accumulated, train_state_shardings)
 
 REQUIRED_KEYS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "advantages")
 OPTIONAL_KEYS = ("old_logp", "ref_logp", "rollout_logp")
@@ -83,12 +86,79 @@ def token_logprobs(model_cfg, params, mb, mesh, chunk, compute_entropy, *, packe
                                       chunk=chunk, compute_entropy=compute_entropy)
 
 
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """How a micro-batch's loss is computed: the loss options and the model's forward."""
+    model_cfg: object
+    loss_cfg: losses.LossConfig
+    mesh: object = None
+    chunk: int = 1024
+    compute_entropy: bool = True
+    packed: bool = True
+    fused_head: bool = True
+    hidden: Callable = models.batch_hidden_states
+
+    def __post_init__(self):
+        if self.loss_cfg.entropy_coef != 0.0 and not self.compute_entropy:
+            raise ValueError("update: entropy_coef != 0 needs compute_entropy=True")
+
+
+def micro_loss(params, mb, denoms: losses.Denominators, extra=None, *, objective: Objective):
+    """One micro-batch's share of the minibatch's policy loss -> (loss, metrics); `denoms`
+    are the whole minibatch's (`losses.loss_denominators`, or `host_denominators`), so the
+    shares add up to the minibatch's loss, gradient and metrics."""
+    o, cfg = objective, objective.loss_cfg
+    mb = constrain_batch(mb, o.mesh)
+
+    def terms(logp_BT, ent_BT):
+        if cfg.entropy_coef == 0.0:
+            ent_BT = jax.lax.stop_gradient(ent_BT)
+        # No old log-probs: the batch is on-policy, old = current without gradient.
+        old_BT = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp_BT)
+        return losses.packed_policy_loss(
+            logp_BT, old_BT, mb["advantages"], mb["loss_mask"], mb["segment_ids"], denoms,
+            cfg, ref_logp_BT=mb.get("ref_logp"), rollout_logp_BT=mb.get("rollout_logp"),
+            entropy_BT=ent_BT if o.compute_entropy else None)
+
+    if not (o.fused_head and cfg.ratio_level == "token"):
+        return terms(*token_logprobs(o.model_cfg, params, mb, o.mesh, o.chunk, o.compute_entropy,
+                                     packed=o.packed, hidden=o.hidden, extra=extra))
+    x_BTD, w_DV = _hidden_and_unembedding(o.model_cfg, params, mb, o.mesh, o.hidden, extra,
+                                          o.packed)
+    aux = losses.token_loss_aux(mb["loss_mask"], mb["segment_ids"], denoms, cfg,
+                                adv_BT=mb["advantages"], old_logp_BT=mb.get("old_logp"),
+                                ref_logp_BT=mb.get("ref_logp"),
+                                rollout_logp_BT=mb.get("rollout_logp"))
+    loss, logp_BT, ent_BT = fused_token_loss(
+        x_BTD, w_DV, mb["targets"], functools.partial(losses.token_loss, cfg=cfg), aux,
+        chunk=o.chunk, compute_entropy=o.compute_entropy)
+    return loss, terms(logp_BT, ent_BT)[1]   # the metrics, from the same log-probs
+
+
+def host_denominators(micro_batches, max_len: Optional[int] = None) -> losses.Denominators:
+    """`losses.loss_denominators` of a minibatch held as host micro-batches (numpy [B, T]
+    loss_mask and segment_ids each), without putting them on the devices together. A
+    sequence lies within one row, so each row's segments are counted where they are."""
+    tokens = sequences = 0.0
+    for mb in micro_batches:
+        seg = np.asarray(mb["segment_ids"])
+        mask = np.where(seg > 0, np.asarray(mb["loss_mask"], np.float32), 0.0)
+        tokens += float(mask.sum())
+        for r in range(seg.shape[0]):
+            sums = np.bincount(seg[r], weights=mask[r], minlength=1)
+            sequences += float((sums[1:] > 0).sum())
+    sum_norm = sequences * (max_len if max_len is not None else np.nan)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    return losses.Denominators(f32(tokens), f32(sequences), f32(sum_norm))
+
+
 def update_step(state: TrainState, batch, extra=None, *, model_cfg,
                 loss_cfg: losses.LossConfig, tx, mesh=None, num_micro: int = 1,
                 chunk: int = 1024, compute_entropy: bool = True, packed: bool = True,
                 fused_head: bool = True, hidden: Callable = models.batch_hidden_states,
                 extra_keys: tuple = ()):
-    """One optimizer step on a minibatch of packed rows -> (new state, metrics).
+    """One optimizer step on a minibatch of packed rows, in one program -> (new state,
+    metrics): the reference form of `make_update_programs`' host-driven step.
 
     Gradients are taken with respect to the master params (the model casts them to
     cfg.dtype for compute) and accumulated in fp32 over `num_micro` micro-batches.
@@ -99,37 +169,11 @@ def update_step(state: TrainState, batch, extra=None, *, model_cfg,
     see the module docstring.
     """
     _check_batch(batch, num_micro, optional=OPTIONAL_KEYS + tuple(extra_keys))
-    if loss_cfg.entropy_coef != 0.0 and not compute_entropy:
-        raise ValueError("update: entropy_coef != 0 needs compute_entropy=True")
+    objective = Objective(model_cfg, loss_cfg, mesh, chunk, compute_entropy, packed, fused_head,
+                          hidden)
     denoms = losses.loss_denominators(batch["loss_mask"], batch["segment_ids"], loss_cfg.max_len)
-
-    def terms(logp_BT, ent_BT, mb):
-        if loss_cfg.entropy_coef == 0.0:
-            ent_BT = jax.lax.stop_gradient(ent_BT)
-        # No old log-probs: the batch is on-policy, old = current without gradient.
-        old_BT = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp_BT)
-        return losses.packed_policy_loss(
-            logp_BT, old_BT, mb["advantages"], mb["loss_mask"], mb["segment_ids"], denoms,
-            loss_cfg, ref_logp_BT=mb.get("ref_logp"), rollout_logp_BT=mb.get("rollout_logp"),
-            entropy_BT=ent_BT if compute_entropy else None)
-
-    def micro_loss(params, mb):
-        mb = constrain_batch(mb, mesh)
-        if not (fused_head and loss_cfg.ratio_level == "token"):
-            return terms(*token_logprobs(model_cfg, params, mb, mesh, chunk, compute_entropy,
-                                         packed=packed, hidden=hidden, extra=extra), mb)
-        x_BTD, w_DV = _hidden_and_unembedding(model_cfg, params, mb, mesh, hidden, extra,
-                                              packed)
-        aux = losses.token_loss_aux(mb["loss_mask"], mb["segment_ids"], denoms, loss_cfg,
-                                    adv_BT=mb["advantages"], old_logp_BT=mb.get("old_logp"),
-                                    ref_logp_BT=mb.get("ref_logp"),
-                                    rollout_logp_BT=mb.get("rollout_logp"))
-        loss, logp_BT, ent_BT = fused_token_loss(
-            x_BTD, w_DV, mb["targets"], functools.partial(losses.token_loss, cfg=loss_cfg), aux,
-            chunk=chunk, compute_entropy=compute_entropy)
-        return loss, terms(logp_BT, ent_BT, mb)[1]   # the metrics, from the same log-probs
-
-    state, metrics = accumulate_and_apply(state, batch, micro_loss, model_cfg=model_cfg, tx=tx,
+    loss_fn = lambda p, mb: micro_loss(p, mb, denoms, extra, objective=objective)  # noqa: E731
+    state, metrics = accumulate_and_apply(state, batch, loss_fn, model_cfg=model_cfg, tx=tx,
                                           mesh=mesh, num_micro=num_micro)
     metrics["sequences"] = denoms.sequences
     return state, metrics
@@ -169,6 +213,62 @@ def make_update_fn(model_cfg, loss_cfg, tx, mesh=None, *, num_micro: int = 1,
                              compute_entropy=compute_entropy, packed=packed,
                              fused_head=fused_head, hidden=hidden, extra_keys=tuple(extra_keys))
     return jit_step(step, model_cfg, tx, mesh, uninit_scan=uninit_scan)
+
+
+class UpdatePrograms(NamedTuple):
+    """The policy update for one micro-batch shape, compiled once and driven from the host:
+    `run_update(programs, state, micro_batches, extra)` is one optimizer step over however
+    many micro-batches the minibatch has (`lrl.rl.train.AccumulatePrograms`)."""
+    programs: AccumulatePrograms
+    objective: Objective
+    extra_keys: tuple
+
+
+def make_update_programs(model_cfg, loss_cfg, tx, mesh=None, *, chunk: int = 1024,
+                         compute_entropy: bool = True, packed: bool = True,
+                         fused_head: bool = True, uninit_scan: Optional[bool] = None,
+                         hidden: Callable = models.batch_hidden_states,
+                         extra_keys: tuple = ()) -> UpdatePrograms:
+    objective = Objective(model_cfg, loss_cfg, mesh, chunk, compute_entropy, packed, fused_head,
+                          hidden)
+    loss_fn = functools.partial(micro_loss, objective=objective)
+    return UpdatePrograms(make_accumulate_programs(loss_fn, model_cfg, tx, mesh,
+                                                   uninit_scan=uninit_scan),
+                          objective, tuple(extra_keys))
+
+
+def run_update(u: UpdatePrograms, state: TrainState, micro_batches, denoms, extra=None):
+    """One optimizer step over `micro_batches` (placed on the devices, all of one shape) of
+    a minibatch whose denominators are `denoms` (`host_denominators`) -> (state, metrics)."""
+    for mb in micro_batches:
+        _check_batch(mb, 1, optional=OPTIONAL_KEYS + u.extra_keys)
+    state, metrics = run_accumulated(u.programs, state, micro_batches, denoms, extra)
+    metrics["sequences"] = denoms.sequences
+    return state, metrics
+
+
+def need_bytes(u: UpdatePrograms, params, mb_spec: dict, extra_spec=None) -> int:
+    """Bytes one device needs to run `accumulate` on micro-batches shaped `mb_spec`
+    (ShapeDtypeStructs), beyond the parameters it is given (which are live anyway): compiled,
+    not run (`lrl.rl.budget`)."""
+    from lrl.rl.budget import program_bytes
+    abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,  # noqa: E731
+                                              sharding=getattr(x, "sharding", None))
+    params = jax.tree.map(abstract, params)
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
+    denoms = losses.Denominators(f32, f32, f32)
+    acc = jax.eval_shape(u.programs.start, params, mb_spec, denoms, extra_spec)
+    compiled = u.programs.accumulate.lower(params, acc, mb_spec, denoms, extra_spec).compile()
+    param_bytes = sum(x.size * x.dtype.itemsize // _shards(x) for x in jax.tree.leaves(params))
+    return program_bytes(compiled) - param_bytes
+
+
+def _shards(x) -> int:
+    sh = getattr(x, "sharding", None)
+    if sh is None or not hasattr(sh, "shard_shape"):
+        return 1
+    shard = sh.shard_shape(x.shape)
+    return max(1, (x.size // max(1, int(np.prod(shard)))) if x.size else 1)
 
 
 def make_logprobs_fn(model_cfg, mesh=None, *, num_micro: int = 1, chunk: int = 1024,

@@ -7,7 +7,7 @@ the same for every task:
     task = tasks.build(opts, workdir, mesh)
     it = task.prompts("train")                 # next(it) -> a raw batch; get/set_state, stats
     prompts, m = task.prepare(params, next(it))   # -> [Prompt], metrics
-    rows, extra = task.update_inputs(rows, layout, prompts, G)   # extra: forward's argument
+    rows, extra = task.update_inputs(rows, layout, sample_prompts)  # extra: the forward's
     update_fn = make_update_fn(..., hidden=task.hidden, extra_keys=task.extra_keys)
 
 Every task has: `tokenizer`, `model_cfg` (the text decoder's `ModelConfig`), `hidden` and

@@ -57,8 +57,16 @@ class TextTask:
                                                          raw["metadata"], raw["task"], texts)]
         return prompts, {}
 
-    def update_inputs(self, rows: dict, layout, prompts, group_size: int):
+    def update_inputs(self, rows: dict, layout, sample_prompts):
+        """Text rows carry nothing more, and the text decoder reads nothing but the rows."""
         return rows, None
+
+    def row_specs(self, rows: int, T: int) -> dict:
+        """The update rows' arrays beyond (or instead of) the text ones: none."""
+        return {}
+
+    def extra_spec(self):
+        return None
 
     def state(self) -> dict:
         return {}

@@ -114,14 +114,40 @@ class VideoTask:
         m["time/vision_s"] = time.time() - t0
         return prompts, m
 
-    def update_inputs(self, rows: dict, layout, prompts, group_size: int):
-        """Packed text rows -> the same rows with `visual_index` and M-RoPE positions, and
-        the visual table they index (replicated on the mesh)."""
+    def update_inputs(self, rows: dict, layout, sample_prompts):
+        """Packed text rows (sequence i is a sample of `sample_prompts[i]`) -> the same rows
+        with `visual_index` and M-RoPE positions, and the visual table they index, replicated
+        on the mesh. The table holds each prompt's rows once, padded to the most a step can
+        have (`table_rows`), so the update compiles once."""
         text = self.model_cfg
-        table, offsets = embed_cache.build_table([p.visual.embedding for p in prompts],
+        unique = list({id(p): p for p in sample_prompts}.values())
+        table, offsets = embed_cache.build_table([p.visual.embedding for p in unique],
                                                  text.d_model, text.dtype, pad_to=256)
-        rows = add_visual_rows(self.vl_cfg, rows, layout, prompts, offsets, group_size)
+        if table.shape[0] < self.table_rows:
+            table = jax.numpy.pad(table, ((0, self.table_rows - table.shape[0]), (0, 0)))
+        where = {id(p): int(o) for p, o in zip(unique, offsets)}
+        rows = add_visual_rows(self.vl_cfg, rows, layout, sample_prompts,
+                               [where[id(p)] for p in sample_prompts])
         return rows, jax.device_put(table, mesh_lib.replicated(self.mesh))
+
+    def row_specs(self, rows: int, T: int) -> dict:
+        """The update rows' arrays beyond (or instead of) the text ones: (shape, dtype)."""
+        return {"positions": ((rows, 3, T), np.int32), "visual_index": ((rows, T), np.int32)}
+
+    def extra_spec(self):
+        """The forward's extra argument as the update is compiled for it: the padded table."""
+        return jax.ShapeDtypeStruct((self.table_rows, self.model_cfg.d_model),
+                                    self.model_cfg.dtype,
+                                    sharding=mesh_lib.replicated(self.mesh))
+
+    @property
+    def table_rows(self) -> int:
+        """The most visual rows one step's prompts can have: every prompt's video at the
+        largest frame size, rounded up to 256."""
+        v = self.opts.video
+        per_video = (v.num_frames // self.vl_cfg.vision.temporal_patch_size) * \
+            v.max_tokens_per_frame
+        return -(-self.opts.rl.prompts_per_step * per_video // 256) * 256
 
     def state(self) -> dict:
         return {"bad_videos": dict(self.stage.bad)}
@@ -267,20 +293,20 @@ def visual_prompt(vl_cfg, text_params, tokenizer, rec: dict, item, emb) -> Promp
                   positions=pos, visual=VisualRows(emb, n, pos, delta))
 
 
-def add_visual_rows(vl_cfg, batch, layout, prompts, offsets, group_size: int):
+def add_visual_rows(vl_cfg, batch, layout, sample_prompts, offsets):
     """Packed text rows (`lrl.grpo.pack`) -> the same rows with `visual_index` [B, T] and
-    M-RoPE `positions` [B, 3, T]: sequence i is sample i % G of prompt i // G, and every
-    sample of a prompt reads that prompt's table rows, from `offsets[i // G]`."""
+    M-RoPE `positions` [B, 3, T]: sequence i is a sample of `sample_prompts[i]` and reads its
+    prompt's table rows, from `offsets[i]`."""
     B, T = batch["tokens"].shape
     seg = batch["segment_ids"]
     S = int(seg.max()) + 1
     pos = np.zeros((B, 3, T), np.int32)
     offs, counts = np.full((B, S), -1, np.int32), np.zeros((B, S), np.int32)
     for i, (r, s) in enumerate(zip(layout["row"], layout["start"])):
-        p = prompts[i // group_size].visual
+        p = sample_prompts[i].visual
         n = int(layout["prompt_len"][i] + layout["completion_len"][i])
         pos[r, :, s:s + n] = vl.extend_positions(p.positions, p.delta, n)
-        offs[r, seg[r, s]], counts[r, seg[r, s]] = offsets[i // group_size], p.count
+        offs[r, seg[r, s]], counts[r, seg[r, s]] = offsets[i], p.count
     out = dict(batch)
     out["positions"] = pos
     out["visual_index"] = vl.visual_index(vl_cfg, batch["tokens"], seg, offs, counts)

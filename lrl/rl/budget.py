@@ -1,0 +1,143 @@
+"""How many tokens one micro-batch of the update may hold: set by the config
+(`rl.max_tokens_per_micro`, like verl's `ppo_max_token_len_per_gpu`) or derived once at
+start-up from device memory, by asking the compiler what the update's accumulate program
+needs at two sizes and fitting a line through them (the activations the remat policy keeps,
+the logits chunk and the attention workspace all grow with the micro-batch's tokens; the
+parameters, optimizer state and gradient accumulator do not), then checking the chosen size
+by compiling it too.
+
+A micro-batch is `rows_per_shard` packed rows of `row_len` tokens on each data shard (a row
+spans the shard's `seq` devices). With `rl.row_len=0` a micro-batch is one row a shard and
+the budget is the row's length.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Optional
+
+log = logging.getLogger(__name__)
+
+# Of the memory the device reports, what a step may plan to use: the allocator's
+# fragmentation and buffers the analysis does not see (host transfers, the sampler's
+# leftovers) take the rest.
+USABLE = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    row_len: int            # T of a packed row
+    rows_per_shard: int     # rows a data shard holds in one micro-batch
+    derived: bool           # from device memory (else from the config)
+    need_bytes: Optional[int] = None    # what the compiled program was measured to need
+    limit_bytes: Optional[int] = None   # what the device may give it
+
+    @property
+    def tokens(self) -> int:
+        return self.row_len * self.rows_per_shard
+
+    def describe(self) -> str:
+        how = "derived from device memory" if self.derived else "as configured"
+        out = (f"{self.tokens} tokens a data shard per micro-batch ({self.rows_per_shard} x "
+               f"{self.row_len}), {how}")
+        if self.need_bytes is not None:
+            out += (f": the update needs {self.need_bytes / 2**30:.1f} of "
+                    f"{self.limit_bytes / 2**30:.1f} GiB")
+        return out
+
+
+def device_memory(device) -> Optional[tuple[int, int]]:
+    """(bytes the device may allocate, bytes in use now), or None where it does not say (CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or not stats.get("bytes_limit"):
+        return None
+    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+
+
+def program_bytes(compiled) -> int:
+    """What one device needs to run a compiled program: its arguments, outputs not aliased to
+    (donated) arguments, and its temporaries."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+               + m.temp_size_in_bytes)
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-int(n) // unit) * unit
+
+
+def resolve(*, row_len: int, max_tokens: int, longest: Optional[int], unit: int,
+            need_bytes: Optional[Callable[[int, int], int]] = None,
+            available: Optional[int] = None, max_rows: int = 64, align: int = 128) -> Budget:
+    """The micro-batch shape.
+
+    `row_len` / `max_tokens`: the config's (0 = derive); `longest`: the most tokens a sample
+    can have (None: unknown); `unit`: what a row length must divide by (the ring's 2·seq
+    chunks); a derived length is also a multiple of `align` (the kernels' tiles).
+    `need_bytes(rows, row_len)` compiles the update at that shape and returns the bytes it
+    needs beyond what is already in use, `available` what the device can still give; either
+    None means device memory cannot be read (a CPU), and a budget to derive becomes one row
+    of the longest sample.
+    """
+    import math
+    derived_unit = math.lcm(unit, align)
+    if row_len and row_len % unit:
+        raise ValueError(f"rl.row_len={row_len} must divide by {unit} (the ring's 2 x seq "
+                         "chunks)")
+    if row_len and max_tokens:
+        if max_tokens < row_len:
+            raise ValueError(f"rl.max_tokens_per_micro={max_tokens} < rl.row_len={row_len}")
+        return Budget(row_len, max_tokens // row_len, derived=False)
+    if not row_len and max_tokens:
+        return Budget(max_tokens // unit * unit or unit, 1, derived=False)
+    measurable = need_bytes is not None and available is not None
+    if not row_len:
+        if longest is None:
+            raise ValueError("rl.row_len=0 needs a bound on the sample length")
+        base = _round_up(longest, derived_unit)
+        if not measurable:
+            log.info("device memory cannot be read: one row of the longest sample (%d tokens) "
+                     "a micro-batch", base)
+            return Budget(base, 1, derived=True)
+        return _fit(lambda n: need_bytes(1, n), base, derived_unit, available,
+                    lambda n: Budget(n, 1, True), longest, max_scale=16)
+    if not measurable:
+        return Budget(row_len, 1, derived=True)
+    return _fit(lambda k: need_bytes(k, row_len), 1, 1, available,
+                lambda k: Budget(row_len, k, True), longest, max_scale=max_rows)
+
+
+def _fit(need: Callable[[int], int], base: int, step: int, available: int,
+         make: Callable[[int], Budget], longest, max_scale: int, tries: int = 4) -> Budget:
+    """The largest size (a multiple of `step`, from `base` up to `max_scale` x `base`) whose
+    measured need fits `available`: a line through the needs at base and 2 x base gives the
+    first guess (attention whose memory grows faster than its tokens, the XLA path's, makes
+    the line optimistic), then bisection between the largest size seen to fit and the
+    smallest seen not to, `tries` compiles at most."""
+    n1, n2 = base, 2 * base
+    seen = {n1: need(n1)}
+    if seen[n1] > available:
+        raise ValueError(
+            f"the derived micro-batch budget cannot hold one sample: the update needs "
+            f"{seen[n1] / 2**30:.1f} GiB for {make(n1).tokens} tokens (a sample can have "
+            f"{longest} tokens) and the device has {available / 2**30:.1f} GiB left; lower "
+            "rl.max_new_tokens / data.max_prompt_len, use more devices (fsdp, seq) or a "
+            "remat policy that keeps less")
+    top = max_scale * base
+    if top >= n2:
+        seen[n2] = need(n2)
+        slope = max((seen[n2] - seen[n1]) / (n2 - n1), 1.0)
+        guess = int((available - seen[n1]) / slope) + n1
+    else:
+        guess = top
+    lo, hi = n1, top + step
+    for n, b in seen.items():
+        lo, hi = (max(lo, n), hi) if b <= available else (lo, min(hi, n))
+    n = min(max(guess // step * step, lo), hi - step)
+    for _ in range(tries):
+        if n <= lo or n >= hi:
+            break
+        seen[n] = need(n)
+        lo, hi = (n, hi) if seen[n] <= available else (lo, n)
+        n = (lo + hi) // 2 // step * step
+    return dataclasses.replace(make(lo), need_bytes=seen[lo], limit_bytes=available)

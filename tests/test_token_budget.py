@@ -1,0 +1,157 @@
+"""The update cut by a token budget: micro-batches of one shape, driven from the host, give
+the one-big-batch step for any number of them, on one device and on fsdp x seq; packing
+fills rows and balances shards; the budget comes from the compiled update's memory, and one
+too small for a sample fails at start-up naming the key and the sample's length."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from lrl import config_util, experiment, models
+from lrl import mesh as mesh_lib
+from lrl.data import packing
+from lrl.rl import budget as budget_lib
+from lrl.rl import update as upd
+from lrl.rl.losses import LossConfig
+from tests.hf_util import rel_err
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = models.ModelConfig(model_type="qwen2", vocab_size=96, d_model=32, n_layers=2, n_heads=4,
+                         n_kv_heads=2, head_dim=8, mlp_dim=64, qkv_bias=True, remat="none")
+
+
+def _samples(rng, n, max_len=40):
+    prompts = [rng.randint(1, 90, rng.randint(2, 8)).astype(np.int32) for _ in range(n)]
+    comps = [rng.randint(1, 90, rng.randint(1, max_len)).astype(np.int32) for _ in range(n)]
+    return prompts, comps
+
+
+def _rows(rng, n, row_len):
+    prompts, comps = _samples(rng, n)
+    adv = rng.randn(n).astype(np.float32)
+    old = [(-rng.rand(len(c)) * 0.5).astype(np.float32) for c in comps]
+    rows, _ = packing.pack(prompts, comps, row_len, seq_values={"advantages": adv},
+                           token_values={"old_logp": old}, fit="best", max_segments=64)
+    return rows
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("sizes,attention", [(None, "dense"), ({"fsdp": 2, "seq": 2}, "ring")])
+def test_host_micro_batches_equal_one_batch(aggregation, sizes, attention):
+    rng = np.random.RandomState(0)
+    rows = _rows(rng, 14, 64)
+    mesh = mesh_lib.make_mesh(sizes, devices=jax.devices()[:4]) if sizes else None
+    shards = 2 if sizes else 1
+    cfg = CFG.replace(attention=attention)
+    params = models.init_params(cfg, jax.random.key(0), mesh)
+    before = jax.tree.map(np.asarray, params)
+    tx = optax.sgd(1e4)        # new params = params - 1e4 grads: gradients show, no cancellation
+    loss = LossConfig(aggregation=aggregation, max_len=40, clip_low=0.1, clip_high=0.1)
+    state = upd.init_train_state(params, tx)
+    # The reference: every row in one program, one micro-batch.
+    whole = {k: np.concatenate([v, np.zeros((-len(v) % shards,) + v.shape[1:], v.dtype)])
+             for k, v in rows.items()}
+    ref_state, ref = upd.make_update_fn(cfg, loss, tx, mesh)(
+        jax.tree.map(jnp.copy, state), mesh_lib.put_batch(mesh, whole))
+    ref_params = jax.tree.map(np.asarray, ref_state.params)
+    u = upd.make_update_programs(cfg, loss, tx, mesh)
+    counts = set()
+    for rows_per_shard in (1, 2, 5):
+        micro = packing.micro_batches(rows, shards, rows_per_shard)
+        counts.add(len(micro))
+        denoms = upd.host_denominators(micro, loss.max_len)
+        got_state, got = upd.run_update(u, jax.tree.map(jnp.copy, state),
+                                        [mesh_lib.put_batch(mesh, mb) for mb in micro], denoms)
+        for k in ("loss", "pg_loss", "grad_norm", "ratio_max", "ratio_min", "clip_frac_low",
+                  "tokens", "sequences"):
+            assert abs(float(got[k]) - float(ref[k])) <= 1e-5 * max(1.0, abs(float(ref[k]))), k
+        for a, b, w in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(ref_params),
+                           jax.tree.leaves(before)):
+            assert rel_err(np.asarray(a) - w, b - w) < 1e-4
+    assert len(counts) == 3 and float(ref["clip_frac_low"]) + float(ref["clip_frac_high"]) > 0
+
+
+def test_one_micro_batch_shape_compiles_once_for_any_count():
+    rng = np.random.RandomState(1)
+    tx = optax.adam(1e-3)
+    loss = LossConfig(aggregation="token_mean", max_len=40)
+    u = upd.make_update_programs(CFG, loss, tx)
+    state = upd.init_train_state(models.init_params(CFG, jax.random.key(0)), tx)
+    for n in (3, 11, 25):   # 1, 3 and 6 micro-batches of [2, 64]
+        micro = packing.micro_batches(_rows(rng, n, 64), 1, 2)
+        state, m = upd.run_update(u, state, [mesh_lib.put_batch(None, mb) for mb in micro],
+                                  upd.host_denominators(micro, 40))
+        assert np.isfinite(float(m["loss"]))
+    for name in ("start", "accumulate", "apply"):
+        assert getattr(u.programs, name)._cache_size() == 1, name
+
+
+def test_best_fit_fills_rows_balances_shards_and_bounds_segments():
+    rng = np.random.RandomState(2)
+    lengths = np.minimum(rng.lognormal(4.0, 1.0, 500).astype(int) + 2, 1000)
+    row, start = packing.best_fit(lengths, 1024, max_segments=32)
+    rows = int(row.max()) + 1
+    assert rows <= -(-lengths.sum() // 1024) + 2        # within two rows of perfect
+    for r in range(rows):
+        placed = np.flatnonzero(row == r)
+        assert len(placed) <= 32 and lengths[placed].sum() <= 1024
+        spans = sorted((start[i], start[i] + lengths[i]) for i in placed)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))   # no overlap
+    prompts, comps = _samples(rng, 200, 200)
+    batch, layout = packing.pack(prompts, comps, 512, fit="best", max_segments=8)
+    micro = packing.micro_batches(batch, 4, 2)
+    assert all((mb["segment_ids"] > 0).any() for mb in micro)
+    total = sum(int((mb["segment_ids"] > 0).sum()) for mb in micro)
+    assert total == int((batch["segment_ids"] > 0).sum())
+    per_shard = [sum(int((mb["segment_ids"][s * 2:(s + 1) * 2] > 0).sum()) for mb in micro)
+                 for s in range(4)]
+    assert max(per_shard) - min(per_shard) <= 512    # at most one row apart
+    rows = int((batch["segment_ids"] > 0).any(axis=1).sum())
+    assert total / (rows * 512) > 0.9                    # the rows are full
+    assert len(micro) == -(-rows // 8)                   # and only the last micro-batch is not
+
+
+def test_a_budget_too_small_for_one_sample_fails_at_start_up():
+    c = config_util.load(os.path.join(ROOT, "configs", "default.py"))
+    c.rl.update(row_len=0, max_tokens_per_micro=128)
+    with pytest.raises(ValueError, match=r"rl.max_tokens_per_micro=128: a sample can have 200 "
+                                         r"tokens \(data.max_prompt_len=160 \+ "
+                                         r"rl.max_new_tokens=40\)"):
+        experiment.options(c)
+    c.rl.update(row_len=256, max_tokens_per_micro=128)
+    with pytest.raises(ValueError, match="rl.row_len=256 > rl.max_tokens_per_micro=128"):
+        experiment.options(c)
+    with pytest.raises(ValueError, match="cannot hold one sample.*a sample can have 5000"):
+        budget_lib.resolve(row_len=0, max_tokens=0, longest=5000, unit=1,
+                           need_bytes=lambda rows, n: 10 * n, available=20_000)
+
+
+def test_the_budget_is_derived_from_the_compiled_update():
+    loss = LossConfig(aggregation="token_mean", max_len=40)
+    tx = optax.adam(1e-3)
+    u = upd.make_update_programs(CFG, loss, tx)
+    params = models.init_params(CFG, jax.random.key(0))
+    from lrl import grpo, options
+    rl = options.from_config(config_util.load(os.path.join(ROOT, "configs", "default.py")),
+                             check_files=False).rl
+
+    class Text:
+        def row_specs(self, rows, T):
+            return {}
+
+    def need(rows, T):
+        return upd.need_bytes(u, params, grpo.micro_batch_spec(rl, Text(), None, rows, T, False))
+
+    n1, n2, n4 = need(1, 256), need(2, 256), need(4, 256)
+    assert 0 < n1 < n2 < n4                            # activations grow with the tokens
+    got = budget_lib.resolve(row_len=256, max_tokens=0, longest=200, unit=1, need_bytes=need,
+                             available=(n2 + n4) // 2)
+    assert got.derived and got.rows_per_shard in (2, 3) and got.need_bytes <= (n2 + n4) // 2
+    one_row = budget_lib.resolve(row_len=0, max_tokens=0, longest=200, unit=1,
+                                 need_bytes=need, available=need(1, 1024) + 1, align=128)
+    assert one_row.rows_per_shard == 1 and 896 <= one_row.row_len <= 1024
+    cpu = budget_lib.resolve(row_len=0, max_tokens=0, longest=200, unit=4)
+    assert (cpu.row_len, cpu.rows_per_shard) == (256, 1)   # no memory reading: one sample's row
