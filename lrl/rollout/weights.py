@@ -43,7 +43,8 @@ def _fuse_gate_up(layer, stack=None):
     """gate_proj and up_proj as one matmul, kernel [D, J, F] with J = 2 (bias [J, F]): one
     weight read at full bandwidth (XLA otherwise merges the two dots by concatenating the
     weights in every step). J sits before F so that sharding F over `tensor` keeps each
-    shard's gate and up columns together. `stack` fuses the pair of leaves (arrays, or logical-axes tuples)."""
+    shard's gate and up columns together. `stack` fuses the pair of leaves (arrays, or
+    logical-axes tuples)."""
     if stack is None:
         stack = lambda g, u: jnp.stack([g, u], axis=-2)  # noqa: E731
     out = {k: v for k, v in layer.items() if k not in ("gate_proj", "up_proj")}
