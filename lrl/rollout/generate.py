@@ -63,9 +63,10 @@ def _pool_pages(cfg, prompts, max_new, page_size, slots, pool_tokens, pool_fract
 
 def _k_splits(slots: int, kv_programs: int, programs: int = 512) -> int:
     """Kernel programs are slots x kv-head programs x splits: aim for about `programs`, from 1
-    to 16 splits, a power of two. Measured on the H200 (Qwen2.5-1.5B shapes): 256 slots ran
-    5.40 ms a step with 1 split, 5.78 with 2 and 5.76 with 4 (jax's kernel); our kernel at 16
-    rows of 8K tokens took 55.6 µs a layer with 16 splits and 81.7 with 8."""
+    to 16 splits, a power of two. Many slots fill the GPU unsplit, and splitting them was
+    slower (256 slots: 1 split faster than 2 or 4); a few long rows need the splits (16 rows of
+    8K tokens: 16 faster than 8). Qwen2.5-1.5B shapes; BENCHMARKS.md, "Decode layout of the
+    weights", the fourth session's kernel table, and "Measurements once quoted in the code"."""
     k = 1
     while k < 16 and slots * kv_programs * k < programs:
         k *= 2
@@ -238,9 +239,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         # Decode until a slot may have finished. While prompts wait, collect this call at once:
         # its freed slots are refilled before the next call. Once none wait, launch the next
         # call first and collect the previous one while it runs, so the device does not idle
-        # while the host reads tokens back. On the H200 at 256 slots (with the decode loop's
-        # condition on the device, `steps._DECODE_OPTIONS`): 3.90-3.94 ms a step against
-        # 3.93-4.00 collecting every call before launching the next.
+        # while the host reads tokens back. With the decode loop's condition on the device
+        # (`steps._DECODE_OPTIONS`), steps were faster than when every call was collected
+        # before the next was launched (BENCHMARKS.md, "Sixth session", "Overlap").
         t0 = time.perf_counter()
         state, out = engine.generate(dparams, state, rng, num_steps=steps_per_call)
         st["decode_calls"] += 1

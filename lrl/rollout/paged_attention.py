@@ -43,8 +43,9 @@ def _pallas_module():
 
 
 def default_impl(mesh=None) -> str:
-    """Our Pallas kernel on a single GPU (on the H200 it read the KV at 3.2 TB/s where jax's
-    reached 2.8: BENCHMARKS.md); the XLA loop elsewhere (CPU, TPU, or a multi-device mesh,
+    """Our Pallas kernel on a single GPU (it read the KV faster than jax's: BENCHMARKS.md,
+    "Decode kernel, joined qkv, cuBLAS matmuls, sampler: fourth session", lease 4); the XLA
+    loop elsewhere (CPU, TPU, or a multi-device mesh,
     where the custom call would need a shard_map of its own)."""
     single = mesh is None or mesh.size == 1
     if jax.default_backend() == "gpu" and single:
@@ -55,8 +56,8 @@ def default_impl(mesh=None) -> str:
 def write_kv(k_pages, v_pages, k_BTKH, v_BTKH, page_BT, offset_BT):
     """Writes each token's k and v at (page, offset); `page_BT` already includes the layer's
     base index. Rows aimed at the null page may collide there: its contents are never read,
-    so the scatters are declared unique, which XLA writes faster (a decode step's two scatters
-    per layer took 2.3 µs each on the H200 at 256 slots, 3.1 before)."""
+    so the scatters are declared unique, which XLA writes faster (BENCHMARKS.md, "Sixth
+    session", "The qkv bias and the page writes")."""
     k = jnp.moveaxis(k_BTKH, 2, 0).astype(k_pages.dtype)   # [K, B, T, H]
     v = jnp.moveaxis(v_BTKH, 2, 0).astype(v_pages.dtype)
     return (k_pages.at[:, page_BT, offset_BT].set(k, unique_indices=True),

@@ -7,8 +7,8 @@ not:
 - q enters as the model makes it, [B, N, H], unpadded and unscaled. A program reads its Kp·Q
   rows into a 16-row tile by index, and rows past Kp·Q repeat the last one. jax's kernel wants
   q padded to 16 heads per kv head, and the pad plus the scale was an XLA fusion per layer
-  (0.09 ms of a 4.25 ms decode step at 256 slots on the H200). The repeated rows compute the
-  same output as the row they repeat and are stored to the same address.
+  (BENCHMARKS.md, "Measurements once quoted in the code"). The repeated rows compute the same
+  output as the row they repeat and are stored to the same address.
 - with Kp > 1 the query heads of several kv heads share the tile (Qwen2.5-1.5B: 2 × 6 rows of
   16, where jax's kernel pads each 6 to 16) and one softmax pass.
 - with one kv split, the program writes the normalised output in the model's dtype. jax's

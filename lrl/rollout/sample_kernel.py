@@ -3,9 +3,10 @@ its max and its sum of exp relative to that max.
 
 The two-level inverse CDF of `sampling.invert_cdf` needs the mass of every block of a row. In
 XLA that is two reductions over the [B, V] fp32 logits, the row's max and then the blocks'
-sums of exp against it, each a full read (at 256 rows of 151,936 tokens, 155 MB: 42 and 39 µs
-of a 3.8 ms decode step on the H200). Against each block's own max, one read suffices; the
-blocks are then put on the row's scale from the small [B, U] result.
+sums of exp against it, each a full read of 155 MB at 256 rows of 151,936 tokens
+(BENCHMARKS.md, "Eighth session", "Where the sampler's time went"). Against each block's own
+max, one read suffices; the blocks are then put on the row's scale from the small [B, U]
+result.
 
 B batch rows · U vocabulary blocks of a row · V vocabulary (in the kernel, the tokens of one
 block).
@@ -41,8 +42,9 @@ def block_stats(x_BV, *, block: int, temperature: float = 1.0, per_program: int 
     """-> (max [B, U], sum of exp(x / temperature - max) [B, U]), both fp32, over the blocks of
     `block` tokens of x / temperature. A block whose tokens are all -inf has max -inf and sum
     0. V must be a multiple of `block`, a power of two. A program takes `per_program` blocks
-    of a row: alone on the H200 at 256 × 151,936, 64 blocks and 8 warps took 52 µs, 32 and 4
-    took 59, 16 and 4 took 60 (in the decode step, 32 and 4 took 47.5)."""
+    of a row: 64 blocks and 8 warps were the fastest setting of the kernel alone, and whole
+    decode steps ran as fast with them as with 32 and 4 (BENCHMARKS.md, "Eighth session",
+    "The kernel")."""
     B, V = x_BV.shape
     if block & (block - 1) or V % block:
         raise ValueError(f"block_stats: block {block} must be a power of two dividing V={V}")

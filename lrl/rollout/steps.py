@@ -34,23 +34,25 @@ class EngineConfig:
     max_slots: int = 8               # B: rows of every decode step
     max_pages_per_slot: int = 64     # Y before rounding up to the kernels' block multiple
     prefill_chunk: int = 4096        # longest prefill call (power of two); longer prompts chunk
-    # Tokens of one prefill call of short prompts batched by length bucket. On the H200, 256
-    # prompts of 512 tokens prefilled in 0.586 s with 16,384 and 0.608 s with 4,096.
+    # Tokens of one prefill call of short prompts batched by length bucket: 256 prompts of 512
+    # tokens prefilled faster in calls of 16,384 tokens than of 4,096 (BENCHMARKS.md, "Fifth
+    # session", "Prefill: decode-layout weights and wider calls").
     prefill_batch_tokens: int = 16384
     min_prefill_bucket: int = 16     # shortest prefill call (power of two)
     eos_ids: tuple[int, ...] = ()    # tokens that end a sample (kept in its output)
     sampling: SamplingParams = SamplingParams()
     attention_impl: Optional[str] = None  # None: pallas_gqa on one GPU, else XLA
     # The sampler's pass over the logits: None follows attention_impl, "pallas" with a Pallas
-    # kernel ("pallas_interpret" with the interpreted one), else "xla". On the H200 at 256
-    # slots our kernel read the logits in 47.5 µs a step where XLA's two reductions took 81,
-    # and steps took 3.74-3.80 ms against 3.77-3.88 (BENCHMARKS.md).
+    # kernel ("pallas_interpret" with the interpreted one), else "xla". The kernel reads the
+    # logits once where XLA's two reductions read them twice, and decode steps ran faster with
+    # it (BENCHMARKS.md, "Eighth session").
     sampling_impl: Optional[str] = None
-    # Decode kernel launch, measured on the H200 at 256 slots x 640 tokens (Qwen2.5-1.5B
-    # shapes): a layer's attention took 52.2 µs in our kernel with 4 pages a block, 4 warps,
-    # 1 stage and one kv head a program; jax's kernel took 83.4 µs at its defaults (8 pages,
-    # 8 warps, 2 stages) and 59.8 µs at its best. Software pipelining hurts: one stage holds
-    # less shared memory, so more programs share an SM.
+    # Decode kernel launch: at 256 slots x 640 tokens (Qwen2.5-1.5B shapes) our kernel with 4
+    # pages a block, 4 warps, 1 stage and one kv head a program was the fastest setting, faster
+    # than jax's kernel at its defaults (8 pages, 8 warps, 2 stages) and at its best
+    # (BENCHMARKS.md, "Decode kernel, joined qkv, cuBLAS matmuls, sampler: fourth session").
+    # Software pipelining hurts: one stage holds less shared memory, so more programs share
+    # an SM.
     decode_block_pages: int = 4      # pages per compute block of decode attention
     prefill_block_pages: int = 64    # pages per block when a prefill chunk reads the pages
     pallas_k_splits: int = 4         # splits of the kv axis in the Pallas kernel
@@ -60,9 +62,9 @@ class EngineConfig:
     layer_unroll: int = 1            # unroll of the layer scan (fewer loop trips per step)
     # pallas_gqa with the decode layout's joined qkv: the kernel also adds the qkv bias,
     # applies q/k norm and RoPE and writes the new token's k and v (`fused_decode_attention`),
-    # one launch a layer instead of four. Off: on the H200 at 256 slots it ran 4.33-4.35 ms a
-    # step with 4 pages a block, 3.95 with 8 and 4.16-4.17 with 16, against 3.82-3.88 unfused
-    # (BENCHMARKS.md).
+    # one launch a layer instead of four. Off: its steps were slower than unfused ones at every
+    # block size tried, 8 pages a block the least slow (BENCHMARKS.md, "Sixth session", "A
+    # fused decode kernel").
     fused_decode: bool = False
 
     def __post_init__(self):
@@ -176,8 +178,8 @@ def _joined(h_BTD, kernel, bias=None):
 def _qkv_fused(block: Block, x_BTD, pos_BT, qkv):
     """Block.qkv with the decode layout's one [D, J, H] projection weight (J = N + 2K). A bias
     is added in fp32, in the fusions that rotate q and k and write k and v: added to the
-    matmul, it became cuBLAS's C operand, a [B, T, J, H] broadcast written by a kernel of its own
-    at every layer (1.6 µs of each layer's decode step at 256 slots on the H200)."""
+    matmul, it became cuBLAS's C operand, a [B, T, J, H] broadcast written by a kernel of its
+    own at every layer (BENCHMARKS.md, "Sixth session", "The qkv bias and the page writes")."""
     N, K = block.cfg.n_heads, block.cfg.n_kv_heads
     h = block.input_norm(x_BTD)
     y = _joined(h, qkv["kernel"])
@@ -195,14 +197,16 @@ def _finish_fused(block: Block, x_BTD, attn_BTNH, gate_up):
 
 
 # cuBLAS for every matmul of prefill and decode: XLA's Triton gemm fusions (a matmul fused with
-# its bias, or joined with its neighbours) were slower at decode's 256-row matmuls. Measured on
-# the H200 at 256 slots: 4.40 ms a decode step without them, 4.71 with.
+# its bias, or joined with its neighbours) were slower at decode's 256-row matmuls
+# (BENCHMARKS.md, "Decode kernel, joined qkv, cuBLAS matmuls, sampler: fourth session", lease
+# 2; autotuned against cuBLAS, again slower: "Seventh session", "The levers").
 _GEMM_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 # The decode loop also runs as one CUDA graph: with WHILE and CONDITIONAL among the command
 # buffer types, the device evaluates the loop condition itself, so a step no longer waits for
 # the host to read it back and launch the next. That lets the host collect one decode call
-# while the next runs (`generate`). On the H200 at 256 slots, with that overlap: 3.90 ms a
-# step with these types, 4.06-4.15 without (the host waits on every step's condition).
+# while the next runs (`generate`). With that overlap, steps were faster with these types than
+# without, where the host waits on every step's condition (BENCHMARKS.md, "Sixth session",
+# "Overlap").
 _DECODE_OPTIONS = {**_GEMM_OPTIONS, "xla_gpu_enable_command_buffer":
                    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}
 
