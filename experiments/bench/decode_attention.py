@@ -2,15 +2,15 @@
 
 A decode step of Qwen2.5-1.5B runs 28 layers of one-query attention over the paged pool;
 at 256 slots that is nearly half the step. This times exactly that: 28 calls per jitted
-function, one per layer base of one pool [K, L * P, page_size, H], each row's pages scattered
-over the pool (as after continuous batching has churned it). Reported per setting: µs per
-layer and the KV read rate (bytes of the rows' live K and V over the time), against the
-measured 4.1 TB/s. Every setting's output is checked against the XLA path first.
+function, one per layer base of one pool [K, L * num_pages, page_size, H], each row's pages
+scattered over the pool (as after continuous batching has churned it). Reported per setting:
+µs per layer and the KV read rate (bytes of the rows' live K and V over the time), against
+the measured 4.1 TB/s. Every setting's output is checked against the XLA path first.
 
     python experiments/bench/decode_attention.py                     # H200: the sweep
     python experiments/bench/decode_attention.py --smoke             # CPU: interpret mode
 
-B rows · N query heads · K kv heads · H head dim · L layers · M pages per row.
+B batch rows · N query heads · K key/value heads · H head dim · L layers · Y pages per slot.
 """
 from __future__ import annotations
 
@@ -25,26 +25,26 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # run from anywhere
 
 
-def make_case(B, length, N, K, H, L, page_size, M, seed=0):
+def make_case(B, length, N, K, H, L, page_size, Y, seed=0):
     import jax.numpy as jnp
     rng = np.random.RandomState(seed)
-    P = B * M + 1                               # page 0 is the engine's null page
-    table = (1 + rng.permutation(B * M)).reshape(B, M).astype(np.int32)
-    k = rng.standard_normal((K, L * P, page_size, H)).astype(np.float32)
-    v = rng.standard_normal((K, L * P, page_size, H)).astype(np.float32)
+    num_pages = B * Y + 1                       # page 0 is the engine's null page
+    table = (1 + rng.permutation(B * Y)).reshape(B, Y).astype(np.int32)
+    k = rng.standard_normal((K, L * num_pages, page_size, H)).astype(np.float32)
+    v = rng.standard_normal((K, L * num_pages, page_size, H)).astype(np.float32)
     q = rng.standard_normal((L, B, 1, N, H)).astype(np.float32)
     lengths = np.full(B, length, np.int32)
     return (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16),
-            jnp.asarray(v, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lengths), P)
+            jnp.asarray(v, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lengths), num_pages)
 
 
-def layered(attend, L, P):
+def layered(attend, L, num_pages):
     """One jitted function calling `attend` once per layer, as the unrolled decode step does."""
     import jax
 
     @jax.jit
     def f(q_LB1NH, k_pages, v_pages, table, lengths):
-        return [attend(q_LB1NH[layer], k_pages, v_pages, table, lengths, layer * P)
+        return [attend(q_LB1NH[layer], k_pages, v_pages, table, lengths, layer * num_pages)
                 for layer in range(L)]
     return f
 
@@ -93,12 +93,12 @@ def main():
         B, length = (int(x) for x in case.split("x"))
         few = B < 64
         align = max(a.block_pages) * max(a.splits) * (8 if few else 1)
-        M = -(-length // a.page_size)
-        M = -(-M // align) * align              # a multiple of every block x split tried
-        q, kp, vp, table, lengths, P = make_case(B, length, N, K, H, L, a.page_size, M)
+        Y = -(-length // a.page_size)
+        Y = -(-Y // align) * align              # a multiple of every block x split tried
+        q, kp, vp, table, lengths, num_pages = make_case(B, length, N, K, H, L, a.page_size, Y)
         kv_bytes = 2 * B * length * K * H * kp.dtype.itemsize   # one layer's live K and V
         ref_f = layered(lambda q, k, v, t, n, base: pa.decode_attention(
-            q, k, v, t, n, base, impl="xla", pages_per_block=8), L, P)
+            q, k, v, t, n, base, impl="xla", pages_per_block=8), L, num_pages)
         ref = jax.block_until_ready(ref_f(q, kp, vp, table, lengths))
         sweep = [dict(impl="xla", pages_per_block=8)] + settings(a)
         for s in sweep:
@@ -109,7 +109,7 @@ def main():
             if impl in pa.PALLAS and interpret:
                 impl += "_interpret"
             f = layered(lambda q, k, v, t, n, base, kw=kw, impl=impl: pa.decode_attention(
-                q, k, v, t, n, base, impl=impl, **kw), L, P)
+                q, k, v, t, n, base, impl=impl, **kw), L, num_pages)
             try:
                 out = jax.block_until_ready(f(q, kp, vp, table, lengths))
                 err = max(float(jnp.max(jnp.abs(o.astype(jnp.float32) - r.astype(jnp.float32))))

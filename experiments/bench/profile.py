@@ -241,11 +241,11 @@ def decode(a, out_dir):
 
     cfg = model_config(a.smoke)
     params = models.init_params(cfg, jax.random.key(0))
-    S, T, N = (4, 16, 8) if a.smoke else (a.slots, a.prompt, a.new)
+    B, T, n_new = (4, 16, 8) if a.smoke else (a.slots, a.prompt, a.new)
     rng = np.random.RandomState(0)
-    prompts = [rng.randint(0, cfg.vocab_size, size=T) for _ in range(S)]
-    common = dict(max_new_tokens=N, temperature=1.0, seed=0, page_size=a.page_size,
-                  max_slots=S, pool_tokens=S * (T + N + 2 * a.page_size),
+    prompts = [rng.randint(0, cfg.vocab_size, size=T) for _ in range(B)]
+    common = dict(max_new_tokens=n_new, temperature=1.0, seed=0, page_size=a.page_size,
+                  max_slots=B, pool_tokens=B * (T + n_new + 2 * a.page_size),
                   steps_per_call=a.steps_per_call, layer_unroll=a.layer_unroll,
                   decode_block_pages=a.decode_block_pages,
                   pallas_k_splits=a.k_splits)
@@ -259,7 +259,7 @@ def decode(a, out_dir):
     jax.profiler.stop_trace()
     step_ms = stats["decode_s"] / stats["decode_steps"] * 1e3
     text = ("| slots | prompt | new | total s | decode ms/step | prefill s |\n|---|---|---|---|---|---|"
-            f"\n| {S} | {T} | {N} | {total:.2f} | {step_ms:.2f} | {stats['prefill_s']:.2f} |")
+            f"\n| {B} | {T} | {n_new} | {total:.2f} | {step_ms:.2f} | {stats['prefill_s']:.2f} |")
     return text, stats["decode_steps"]
 
 

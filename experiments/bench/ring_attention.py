@@ -14,7 +14,8 @@ as the median of --iters runs ending in `block_until_ready`.
 
 FLOPs of causal attention: forward 2 * 2 * B * N * T * T * H / 2, backward 2.5 x forward.
 
-B batch · T positions · N query heads · K kv heads · H head dim.
+B batch rows · T query positions (T_s: one shard's) · N query heads · K key/value heads ·
+H head dim.
 """
 from __future__ import annotations
 
@@ -109,22 +110,22 @@ def comm_model(args):
     """Per hop of the zigzag ring: K+V of one shard travel while half a T_s x T_s block of
     attention is computed (the diagonal hop does the same half through the causal mask)."""
     N, K, H, B = args.heads, args.kv_heads, args.head_dim, 1
-    R = args.achieved_tflops * 1e12
+    rate = args.achieved_tflops * 1e12
     ib = args.ib_gbytes * 1e9
     # fwd: bytes 2*B*T_s*K*H*2 (bf16) vs flops 2*B*N*T_s^2*H -> compute >= comm when
-    # T_s >= 2*K*R/(N*bw). bwd: K,V bf16 + dK,dV fp32 (3x the bytes), 2.5x the flops.
+    # T_s >= 2*K*rate/(N*bw). bwd: K,V bf16 + dK,dV fp32 (3x the bytes), 2.5x the flops.
     lines = [
         f"## Ring comm/compute model (N={N}, K={K}, H={H}, B=1, bf16; compute at "
         f"{args.achieved_tflops:.0f} TFLOP/s achieved of 791 peak)",
         "",
         "Per hop: forward sends K+V = 4*T_s*K*H bytes and computes 2*N*T_s^2*H FLOPs (half a "
         "block); backward sends K,V (bf16) + dK,dV (fp32) = 12*T_s*K*H bytes and computes "
-        "2.5x the forward FLOPs. Compute-bound when T_s >= 2*K*R/(N*bw) (forward) and "
-        "T_s >= 2.4*K*R/(N*bw) (backward), R the achieved FLOP rate.",
+        "2.5x the forward FLOPs. Compute-bound when T_s >= 2*K*rate/(N*bw) (forward) and "
+        "T_s >= 2.4*K*rate/(N*bw) (backward), with rate the achieved FLOP rate.",
         "",
     ]
     for label, bw in (("NVLink 350 GB/s", 350e9), (f"InfiniBand {args.ib_gbytes:.0f} GB/s", ib)):
-        t_fwd, t_bwd = 2 * K * R / (N * bw), 2.4 * K * R / (N * bw)
+        t_fwd, t_bwd = 2 * K * rate / (N * bw), 2.4 * K * rate / (N * bw)
         lines.append(f"- {label}: compute-bound from T_s >= {t_fwd:,.0f} tokens per shard "
                      f"(forward), {t_bwd:,.0f} (backward).")
     lines += ["", "The table uses, for NVLink, the measured ppermute bandwidth at each hop's size "
@@ -138,7 +139,7 @@ def comm_model(args):
             Ts = total / n
             nbytes = 2 * B * Ts * K * H * 2
             flops = 2 * B * N * Ts * Ts * H
-            t_c = flops / R
+            t_c = flops / rate
             t_nv = nbytes / nvlink_bandwidth(nbytes)
             t_ib = nbytes / ib
             # backward: 3x the bytes (dK, dV in fp32 join K, V) over 2.5x the compute

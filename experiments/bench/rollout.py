@@ -6,11 +6,11 @@ every sample runs to its length limit, like the peer's min_new_tokens):
 On CPU, a tiny model and tiny cases, to check the script itself:
     python experiments/bench/rollout.py --smoke
 
-Cases are PxTxN (P prompts of T tokens, N new tokens each, one sample per prompt). Each runs
+Cases are PxTxn (P prompts of T tokens, n new tokens each, one sample per prompt). Each runs
 once to compile (with at most 8 prompts, same shapes) and once timed. Reported per case:
 new tok/s end to end (prefill + decode + host work) and decode only, ms per decode step, the
 roofline step time (weight bytes + the mean live KV bytes of a step, over --hbm-tbs) and the
-fraction of it reached. The shared case PxGxTxN samples G completions per prompt and compares
+fraction of it reached. The shared case PxGxTxn samples G completions per prompt and compares
 the shared prefill (each prompt once, its full pages shared by its G samples) with prefilling
 every sample: pages computed, prefill time measured on --unshared-prompts prompts repeated G
 times and scaled to P. The peer (--peer path) runs first, in a subprocess, before jax takes
@@ -79,36 +79,36 @@ def kernel_kwargs(a) -> dict:
     return {k: v for k, v in given.items() if v is not None}
 
 
-def timed_generate(cfg, params, prompts, G, N, common, stats):
+def timed_generate(cfg, params, prompts, G, n_new, common, stats):
     from lrl import rollout
     t0 = time.perf_counter()
-    rollout.generate(cfg, params, prompts, max_new_tokens=N, num_samples=G, stats=stats,
+    rollout.generate(cfg, params, prompts, max_new_tokens=n_new, num_samples=G, stats=stats,
                      **common)
     return time.perf_counter() - t0
 
 
 def bench_case(cfg, params, spec, a, wbytes):
     from lrl.rollout.pages import kv_bytes_per_token
-    P, T, N = (int(x) for x in spec.split("x"))
+    P, T, n_new = (int(x) for x in spec.split("x"))
     rng = np.random.RandomState(0)
     prompts = [rng.randint(0, cfg.vocab_size, size=T) for _ in range(P)]
     common = dict(temperature=1.0, seed=0, page_size=a.page_size, max_slots=P,
-                  pool_tokens=P * (T + N + 2 * a.page_size), prefill_chunk=a.prefill_chunk,
+                  pool_tokens=P * (T + n_new + 2 * a.page_size), prefill_chunk=a.prefill_chunk,
                   steps_per_call=a.steps_per_call, layer_unroll=a.layer_unroll,
                   **kernel_kwargs(a))
     if a.prefill_params == "train":   # the training layout, as generate read it before
         common["prefill_fn"] = lambda engine, p, state, pre: engine.run_prefill(p, state, pre)
     warm = {}
     # Enough prompts that the warm-up compiles the full-width prefill call too.
-    t_compile = timed_generate(cfg, params, prompts[:min(P, 64)], 1, N, common, warm)
+    t_compile = timed_generate(cfg, params, prompts[:min(P, 64)], 1, n_new, common, warm)
     stats = {}
-    total = timed_generate(cfg, params, prompts, 1, N, common, stats)
+    total = timed_generate(cfg, params, prompts, 1, n_new, common, stats)
     steps = stats["decode_steps"]
     step_s = stats["decode_s"] / steps
     kv_bytes = stats["kv_token_steps"] / steps * kv_bytes_per_token(cfg)
     roof_s = (wbytes + kv_bytes) / (a.hbm_tbs * 1e12)
     new = stats["new_tokens"]
-    return dict(case=spec, prompts=P, prompt_len=T, new=N, total_s=total,
+    return dict(case=spec, prompts=P, prompt_len=T, new=n_new, total_s=total,
                 prefill_s=stats["prefill_s"], decode_s=stats["decode_s"], decode_steps=steps,
                 new_tok_s=new / total, decode_tok_s=new / stats["decode_s"],
                 step_ms=step_s * 1e3, roofline_ms=roof_s * 1e3, roofline_frac=roof_s / step_s,
@@ -118,23 +118,23 @@ def bench_case(cfg, params, spec, a, wbytes):
 
 
 def bench_shared(cfg, params, spec, a):
-    P, G, T, N = (int(x) for x in spec.split("x"))
+    P, G, T, n_new = (int(x) for x in spec.split("x"))
     rng = np.random.RandomState(1)
     prompts = [rng.randint(0, cfg.vocab_size, size=T) for _ in range(P)]
     common = dict(temperature=1.0, seed=0, page_size=a.page_size, max_slots=P * G,
-                  pool_tokens=P * T + P * G * (N + 2 * a.page_size),
+                  pool_tokens=P * T + P * G * (n_new + 2 * a.page_size),
                   prefill_chunk=a.prefill_chunk, steps_per_call=a.steps_per_call,
                   layer_unroll=a.layer_unroll, **kernel_kwargs(a))
-    timed_generate(cfg, params, prompts[:1], G, N, common, {})        # compile
+    timed_generate(cfg, params, prompts[:1], G, n_new, common, {})        # compile
     stats = {}
-    total = timed_generate(cfg, params, prompts, G, N, common, stats)
+    total = timed_generate(cfg, params, prompts, G, n_new, common, stats)
     k = min(a.unshared_prompts, P)
     unshared = {}
     # Same slots, pool and lengths as the shared run, so the same compiled shapes.
-    timed_generate(cfg, params, [p for p in prompts[:k] for _ in range(G)], 1, N, common,
+    timed_generate(cfg, params, [p for p in prompts[:k] for _ in range(G)], 1, n_new, common,
                    unshared)
     unshared_prefill_s = unshared["prefill_s"] * P / k
-    return dict(case=spec, prompts=P, group=G, prompt_len=T, new=N, total_s=total,
+    return dict(case=spec, prompts=P, group=G, prompt_len=T, new=n_new, total_s=total,
                 prefill_shared_s=stats["prefill_s"], prefill_unshared_s=unshared_prefill_s,
                 prefill_saving=unshared_prefill_s / stats["prefill_s"],
                 pages_shared=stats["pages_allocated"], pages_unshared=stats["pages_unshared"],
@@ -146,9 +146,9 @@ def bench_shared(cfg, params, spec, a):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model and cases, for CPU")
-    ap.add_argument("--cases", default=None, help="PxTxN,... (default 64x512x256,256x512x256,"
+    ap.add_argument("--cases", default=None, help="PxTxn,... (default 64x512x256,256x512x256,"
                                                   "16x8192x256)")
-    ap.add_argument("--shared", default=None, help="PxGxTxN for the shared-prefill comparison "
+    ap.add_argument("--shared", default=None, help="PxGxTxn for the shared-prefill comparison "
                                                    "(default 16x8x32768x32; '' skips it)")
     ap.add_argument("--unshared-prompts", type=int, default=2,
                     help="prompts whose G copies are prefilled one by one to time the unshared "
@@ -212,7 +212,7 @@ def main():
     if shared_row:
         print(json.dumps(shared_row), flush=True)
 
-    print("\n| case PxT→N | new tok/s | decode tok/s | ms/step | roofline ms/step | "
+    print("\n| case PxT→n | new tok/s | decode tok/s | ms/step | roofline ms/step | "
           "of roofline | peer tok/s | × peer |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -1,16 +1,18 @@
 """Policy-update throughput on one accelerator, side by side with the PyTorch peer.
 
 Qwen2.5-1.5B shapes, random weights, fp32 master params with bf16 compute, one packed row of
-L tokens, one GRPO `update_step` (forward, chunked log-probs, clipped loss, backward, AdamW).
-Each (L, remat) runs in its own subprocess so peak memory and compile time are its own.
+T tokens, one GRPO `update_step` (forward, chunked log-probs, clipped loss, backward, AdamW).
+Each (T, remat) runs in its own subprocess so peak memory and compile time are its own.
 
     python experiments/bench/train_step.py --lengths 4096,16384,32768 \
         --peer .dev/peer/peer_torch.py           # on the H200, prints a markdown table
     python experiments/bench/train_step.py --smoke   # CPU, tiny shapes, checks the script
 
 FLOPs per token follow the peer's count so the ratio is like for like:
-6 * params + 6 * layers * L * width (causal attention), against --peak-tflops (791, the
-measured bf16 matmul rate of the H200).
+6 * params + 6 * layers * T * width (causal attention), against --peak-tflops (791, the
+measured bf16 matmul rate of the H200). (BENCHMARKS.md's tables call the row length L.)
+
+T query positions: the tokens of the row.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def tiny(**kw):
                        tie_embeddings=True, **kw)
 
 
-def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: int,
+def one(T: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: int,
         packed: bool, seq: int = 1, fused_head: bool = True,
         param_shard_axes: tuple = ("fsdp",), scan_layers: bool = True,
         uninit_scan=None) -> dict:
@@ -61,18 +63,18 @@ def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
     fn = update.make_update_fn(cfg, losses.LossConfig(), tx, mesh, chunk=chunk, packed=packed,
                                fused_head=fused_head, uninit_scan=uninit_scan)
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab_size, (1, L), dtype=np.int32)
-    batch = {"tokens": tokens, "positions": np.arange(L, dtype=np.int32)[None],
-             "segment_ids": np.ones((1, L), np.int32),
-             "targets": np.roll(tokens, -1, axis=1), "loss_mask": np.ones((1, L), np.float32),
-             "advantages": rng.standard_normal((1, L)).astype(np.float32)}
+    tokens = rng.integers(0, cfg.vocab_size, (1, T), dtype=np.int32)
+    batch = {"tokens": tokens, "positions": np.arange(T, dtype=np.int32)[None],
+             "segment_ids": np.ones((1, T), np.int32),
+             "targets": np.roll(tokens, -1, axis=1), "loss_mask": np.ones((1, T), np.float32),
+             "advantages": rng.standard_normal((1, T)).astype(np.float32)}
     batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh, 2))
     t0 = time.perf_counter()
     compiled = fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     if mem is not None:  # what XLA plans to hold, before any step runs
-        print("MEMORY " + json.dumps({"seq": L, "remat": remat, "compile_s": compile_s, **{
+        print("MEMORY " + json.dumps({"seq": T, "remat": remat, "compile_s": compile_s, **{
             k: getattr(mem, k) / 2**30 for k in ("temp_size_in_bytes", "argument_size_in_bytes",
                                                  "output_size_in_bytes", "alias_size_in_bytes")
             if hasattr(mem, k)}}), flush=True)
@@ -86,12 +88,12 @@ def one(L: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
     jax.block_until_ready((state, m))
     dt = (time.perf_counter() - t0) / repeats
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    flops = (6 * n_params + 6 * cfg.n_layers * L * cfg.d_model) * L
+    flops = (6 * n_params + 6 * cfg.n_layers * T * cfg.d_model) * T
     stats = jax.devices()[0].memory_stats() or {}
-    return {"lrl": True, "seq": L, "remat": remat, "attention": attention, "packed": packed,
+    return {"lrl": True, "seq": T, "remat": remat, "attention": attention, "packed": packed,
             "devices": seq, "fused_head": fused_head, "scan_layers": scan_layers,
             "uninit_scan": isinstance(fn, UninitialisedScanJit), "step_s": dt,
-            "tokens_per_s": L / dt, "tflops": flops / dt / 1e12 / seq, "compile_s": compile_s,
+            "tokens_per_s": T / dt, "tflops": flops / dt / 1e12 / seq, "compile_s": compile_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
             "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
 
@@ -125,13 +127,13 @@ def main():
     ap.add_argument("--budget-s", type=float, default=0, help="skip what would start later")
     a = ap.parse_args()
     if a.child:
-        L, remat = a.child.split(":")
+        T, remat = a.child.split(":")
         try:
-            rec = one(int(L), remat, a.smoke, a.repeats, a.attention, a.chunk, a.packed, a.seq,
+            rec = one(int(T), remat, a.smoke, a.repeats, a.attention, a.chunk, a.packed, a.seq,
                       a.fused_head, tuple(x for x in a.param_shard_axes.split(",") if x),
                       a.scan_layers, a.uninit_scan)
         except Exception as e:  # out of memory, mostly: record it and go on
-            rec = {"lrl": True, "seq": int(L), "remat": remat, "error": f"{type(e).__name__}: "
+            rec = {"lrl": True, "seq": int(T), "remat": remat, "error": f"{type(e).__name__}: "
                    f"{str(e).splitlines()[0][:200]}"}
         print("RESULT " + json.dumps(rec), flush=True)
         return
@@ -142,12 +144,12 @@ def main():
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     t_start = time.time()
-    for L in lengths:
+    for T in lengths:
         for remat in a.remat.split(","):
             if a.budget_s and time.time() - t_start > a.budget_s:
-                results.append({"seq": L, "remat": remat, "error": "skipped (time budget)"})
+                results.append({"seq": T, "remat": remat, "error": "skipped (time budget)"})
                 continue
-            cmd = [sys.executable, __file__, "--child", f"{L}:{remat}", "--repeats",
+            cmd = [sys.executable, __file__, "--child", f"{T}:{remat}", "--repeats",
                    str(a.repeats), "--attention", a.attention, "--chunk", str(a.chunk),
                    "--seq", str(a.seq)]
             cmd += ["--packed"] if a.packed else []
@@ -159,7 +161,7 @@ def main():
             cmd += ["--smoke"] if a.smoke else []
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             recs = [json.loads(l[7:]) for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-            rec = recs[0] if recs else {"seq": L, "remat": remat,
+            rec = recs[0] if recs else {"seq": T, "remat": remat,
                                         "error": (out.stderr.strip().splitlines() or ["?"])[-1][:200]}
             print(json.dumps(rec), flush=True)
             results.append(rec)
@@ -177,7 +179,7 @@ def main():
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"lrl": results, "peer": list(peer.values())}, f, indent=1)
-    print("\n| L | remat | lrl tok/s | MFU | peak GiB | compile s | peer tok/s | peer MFU | ratio |")
+    print("\n| T | remat | lrl tok/s | MFU | peak GiB | compile s | peer tok/s | peer MFU | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
     for rec in results:
         p = peer.get(rec["seq"], {})

@@ -1,11 +1,11 @@
 """Video GRPO step time against frame count: vision encode, rollout prefill and the policy
 update of one video prompt, with and without the embedding cache (MR-SP stage 1) and with and
-without sequence parallelism (MR-SP stage 2: seq=1 vs seq=N over all N devices).
+without sequence parallelism (MR-SP stage 2: seq=1 vs seq=n over all n devices).
 
 Qwen2.5-VL-7B shapes with random weights (bf16 compute and storage, SGD so that the 7B update
 fits one H200: the step's time, not an optimizer's memory, is measured here). A prompt is one
-video of F frames at --tokens-per-frame merged tokens per temporal patch (2 frames), so
-F/2 x tokens-per-frame visual tokens, plus a short question; the update row is that prompt
+video of `frames` frames at --tokens-per-frame merged tokens per temporal patch (2 frames),
+so frames/2 x tokens-per-frame visual tokens, plus a short question; the update row is that prompt
 plus --new-tokens completion tokens.
 
     python experiments/bench/video_frames.py                       # GPU(s): markdown table
@@ -20,10 +20,10 @@ row every stage runs once to compile and once timed. Columns:
 - vision s: cache off = the frames through the vision tower (split over the row's devices);
   cache on = a cache hit (key from the video file's path, mtime and size: no tower call).
   Decoding the mp4 is not included (frames are random patches).
-- prefill s: seq=1, the engine's own prefill (chunks of 4096 tokens on one device); seq=N,
-  `lrl.rollout.sp_prefill` (the training forward with ring attention over N devices).
+- prefill s: seq=1, the engine's own prefill (chunks of 4096 tokens on one device); seq=n,
+  `lrl.rollout.sp_prefill` (the training forward with ring attention over n devices).
 - update s: one `update_step` on the packed row (dense attention on one device for seq=1,
-  ring attention over N devices for seq=N).
+  ring attention over n devices for seq=n).
 - step s: vision + prefill + update (decode is the same for every row and left out).
 """
 from __future__ import annotations
@@ -112,7 +112,7 @@ def run_row(ctx: dict, frames: int, args) -> dict:
     mesh, text, vcfg, c, seq = ctx["mesh"], ctx["text"], ctx["vcfg"], ctx["c"], ctx["seq"]
     params = ctx["state"].params
     out = {}
-    # Stage 1: the tower on F frames (split over the devices), then a cache hit.
+    # Stage 1: the tower on the frames (split over the devices), then a cache hit.
     m = vcfg.spatial_merge_size
     rows, cols = merged_grid(args.tokens_per_frame)
     grid = (-(-frames // vcfg.temporal_patch_size), rows * m, cols * m)
@@ -161,18 +161,18 @@ def run_row(ctx: dict, frames: int, args) -> dict:
     # Stage 2 for the update: one packed row of prompt + completion, split over seq.
     n = T + args.new_tokens
     unit = 2 * seq * 128
-    L = -(-n // unit) * unit
-    tokens = np.zeros((1, L), np.int32)
+    row_len = -(-n // unit) * unit
+    tokens = np.zeros((1, row_len), np.int32)
     tokens[0, :T] = ids
     tokens[0, T:n] = rng.integers(0, text.vocab_size - 8, args.new_tokens)
-    seg = (np.arange(L) < n).astype(np.int32)[None]
-    positions = np.zeros((1, 3, L), np.int32)
+    seg = (np.arange(row_len) < n).astype(np.int32)[None]
+    positions = np.zeros((1, 3, row_len), np.int32)
     positions[0, :, :n] = vl.extend_positions(pos, delta, n)
-    mask = ((np.arange(L) >= T - 1) & (np.arange(L) < n - 1)).astype(np.float32)[None]
+    mask = ((np.arange(row_len) >= T - 1) & (np.arange(row_len) < n - 1)).astype(np.float32)[None]
     batch = mesh_lib.put_batch(mesh, {
         "tokens": tokens, "positions": positions, "segment_ids": seg,
         "targets": np.roll(tokens, -1, axis=1) * seg, "loss_mask": mask,
-        "advantages": np.full((1, L), 0.5, np.float32),
+        "advantages": np.full((1, row_len), 0.5, np.float32),
         "visual_index": vl.visual_index(c, tokens, seg, np.array([[-1, 0]]),
                                         np.array([[0, n_vis]]))})
     for key in ("update_compile_s", "update_s"):
@@ -180,7 +180,7 @@ def run_row(ctx: dict, frames: int, args) -> dict:
         ctx["state"], metrics = ctx["update"](ctx["state"], batch, table)
         jax.block_until_ready(metrics)
         out[key] = time.perf_counter() - t0
-    out["update_tokens"] = L
+    out["update_tokens"] = row_len
     return out
 
 
@@ -213,7 +213,7 @@ def device_count(env) -> int:
 
 def child_env(small: bool, devices: int) -> dict:
     env = dict(os.environ)
-    if small:   # CPU with virtual devices, so that the seq=N path runs too
+    if small:   # CPU with virtual devices, so that the seq=n path runs too
         env["JAX_PLATFORMS"] = "cpu"
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                             f" --xla_force_host_platform_device_count={devices}").strip()
@@ -291,8 +291,8 @@ def main():
                    help="merged tokens per temporal patch (default 64; --small: 4)")
     p.add_argument("--new-tokens", type=int, default=None,
                    help="completion tokens in the update row (default 512; --small: 8)")
-    p.add_argument("--seq", type=int, default=0, help="the seq=N rows' N (default: all devices)")
-    p.add_argument("--skip-seq1", action="store_true", help="only the seq=N rows")
+    p.add_argument("--seq", type=int, default=0, help="the seq=n rows' n (default: all devices)")
+    p.add_argument("--skip-seq1", action="store_true", help="only the seq=n rows")
     p.add_argument("--budget-s", type=float, default=900.0, help="seconds per row at most")
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--frame-chunk", type=int, default=16, help="frames per device per call")

@@ -1,6 +1,6 @@
 """The prompt pipeline (grain) for RL, and the packed-batch pipeline for SFT.
 
-P prompts per process and batch · T positions in a packed row.
+P prompts (per process and batch) · T query positions (of a packed row).
 
 `PromptIterator` reads a random-access source (lrl.data.sources) through grain:
 

@@ -13,7 +13,8 @@ A video that cannot be opened, has no video stream, or ends before the frames it
 promises raises `VideoDecodeError` naming the file; `load_videos` reports and skips such
 files and never substitutes another video.
 
-F frames · C channels · H height · W width.
+Pixel arrays are written in words (uint8 `frames` [frames, height, width, 3]); patch rows are
+[t·h·w, A], A a patch row's pixel values (channels × temporal patch × patch²).
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ class VisionSettings:
 
 
 class VisualItem(NamedTuple):
-    patches: np.ndarray           # float32 [t·h·w, C·temporal·patch²]
+    patches: np.ndarray           # float32 [t·h·w, A], A = channels · temporal · patch²
     grid_thw: tuple[int, int, int]
     kind: str                     # "image" | "video"
     seconds_per_grid: float       # seconds one temporal patch spans (0 for images)
@@ -88,52 +89,56 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
     return h_bar, w_bar
 
 
-def _resize(frame_HWC: np.ndarray, height: int, width: int) -> np.ndarray:
+def _resize(frame: np.ndarray, height: int, width: int) -> np.ndarray:
+    """One uint8 frame [height, width, 3] resized to (height, width)."""
     from PIL import Image
-    return np.asarray(Image.fromarray(frame_HWC).resize((width, height), Image.BICUBIC))
+    return np.asarray(Image.fromarray(frame).resize((width, height), Image.BICUBIC))
 
 
-def _check_frames(frames_FHWC: np.ndarray, what: str) -> np.ndarray:
-    frames_FHWC = np.asarray(frames_FHWC)
-    if frames_FHWC.ndim != 4 or frames_FHWC.shape[-1] != 3 or frames_FHWC.dtype != np.uint8:
-        raise ValueError(f"{what}: expected uint8 RGB frames [F, H, W, 3], got "
-                         f"{frames_FHWC.dtype} {frames_FHWC.shape}")
-    return frames_FHWC
+def _check_frames(frames: np.ndarray, what: str) -> np.ndarray:
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+        raise ValueError(f"{what}: expected uint8 RGB frames [frames, height, width, 3], got "
+                         f"{frames.dtype} {frames.shape}")
+    return frames
 
 
-def patchify(frames_FHWC: np.ndarray, s: VisionSettings, min_pixels: int, max_pixels: int):
-    """uint8 frames -> (float32 patch rows, (t, h, w) grid in patches)."""
-    frames_FHWC = _check_frames(frames_FHWC, "patchify")
-    F, H, W, _ = frames_FHWC.shape
+def patchify(frames: np.ndarray, s: VisionSettings, min_pixels: int, max_pixels: int):
+    """uint8 frames [frames, height, width, 3] -> (float32 patch rows [t·h·w, A], (t, h, w)
+    grid in patches)."""
+    frames = _check_frames(frames, "patchify")
+    n_frames, height, width, _ = frames.shape
     p, m, tp = s.patch_size, s.merge_size, s.temporal_patch_size
-    rh, rw = smart_resize(H, W, p * m, min_pixels, max_pixels)
-    resized = np.stack([_resize(f, rh, rw) for f in frames_FHWC])
+    rh, rw = smart_resize(height, width, p * m, min_pixels, max_pixels)
+    resized = np.stack([_resize(f, rh, rw) for f in frames])
     x = (resized.astype(np.float64) * (1 / 255)).astype(np.float32)
     x = (x - np.asarray(s.mean, np.float32)) / np.asarray(s.std, np.float32)
-    x = x.transpose(0, 3, 1, 2)                                    # [F, C, H, W]
-    if F % tp:  # the last frame repeats up to a whole temporal patch
-        x = np.concatenate([x, np.repeat(x[-1:], tp - F % tp, axis=0)])
+    x = x.transpose(0, 3, 1, 2)                          # [frames, channels, height, width]
+    if n_frames % tp:  # the last frame repeats up to a whole temporal patch
+        x = np.concatenate([x, np.repeat(x[-1:], tp - n_frames % tp, axis=0)])
     gt, gh, gw = x.shape[0] // tp, rh // p, rw // p
-    C = x.shape[1]
-    x = x.reshape(gt, tp, C, gh // m, m, p, gw // m, m, p)
+    channels = x.shape[1]
+    x = x.reshape(gt, tp, channels, gh // m, m, p, gw // m, m, p)
     x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return np.ascontiguousarray(x.reshape(gt * gh * gw, C * tp * p * p)), (gt, gh, gw)
+    return np.ascontiguousarray(x.reshape(gt * gh * gw, channels * tp * p * p)), (gt, gh, gw)
 
 
-def process_image(image_HWC: np.ndarray, s: VisionSettings = VisionSettings(),
+def process_image(image: np.ndarray, s: VisionSettings = VisionSettings(),
                   source: str = "") -> VisualItem:
-    image_HWC = np.asarray(image_HWC)
-    frames = np.repeat(image_HWC[None], s.temporal_patch_size, axis=0)
+    """One uint8 RGB image [height, width, 3]."""
+    image = np.asarray(image)
+    frames = np.repeat(image[None], s.temporal_patch_size, axis=0)
     patches, grid = patchify(frames, s, s.image_min_pixels, s.image_max_pixels)
     return VisualItem(patches, grid, "image", 0.0, source)
 
 
-def process_video_frames(frames_FHWC: np.ndarray, fps: float, s: VisionSettings = VisionSettings(),
+def process_video_frames(frames: np.ndarray, fps: float, s: VisionSettings = VisionSettings(),
                          source: str = "") -> VisualItem:
-    """Already-sampled frames at `fps` sampled frames per second."""
+    """Already-sampled uint8 frames [frames, height, width, 3] at `fps` sampled frames per
+    second."""
     if fps <= 0:
         raise ValueError(f"process_video_frames: fps={fps} must be positive ({source or 'frames'})")
-    patches, grid = patchify(frames_FHWC, s, s.video_min_pixels, s.video_max_pixels)
+    patches, grid = patchify(frames, s, s.video_min_pixels, s.video_max_pixels)
     return VisualItem(patches, grid, "video", s.temporal_patch_size / fps, source)
 
 
@@ -154,7 +159,7 @@ def sample_indices(total: int, n: int) -> np.ndarray:
 
 
 def decode_frames(path: str, num_frames: int):
-    """PyAV decode -> (uint8 frames [num_frames, H, W, 3], duration in seconds).
+    """PyAV decode -> (uint8 frames [num_frames, height, width, 3], duration in seconds).
 
     Frames are decoded in order and the sampled ones kept, so memory holds only those.
     """

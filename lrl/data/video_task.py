@@ -42,7 +42,7 @@ def _rng(task: str, seed: int, index: int) -> np.random.Generator:
 
 
 def _boxes(obj: dict, num_frames: int) -> np.ndarray:
-    """[F, 4] (top, left, bottom, right) of one shape in every frame."""
+    """[frames, 4] (top, left, bottom, right) of one shape in every frame."""
     t = np.arange(num_frames)[:, None]
     top_left = np.asarray(obj["start"])[None] + t * np.asarray(obj["velocity"])[None]
     return np.concatenate([top_left, top_left + obj["size"]], axis=1)
@@ -79,7 +79,7 @@ def _place(rng, velocities, shapes, colours, size_px, num_frames, frame, attempt
 
 
 def render(objects: list[dict], num_frames: int, frame: int) -> np.ndarray:
-    """uint8 frames [F, frame, frame, 3]."""
+    """uint8 frames [frames, frame, frame, 3] (`frame` pixels a side)."""
     out = np.zeros((num_frames, frame, frame, 3), np.uint8)
     yy, xx = np.mgrid[:frame, :frame]
     for f in range(num_frames):
@@ -94,16 +94,16 @@ def render(objects: list[dict], num_frames: int, frame: int) -> np.ndarray:
     return out
 
 
-def write_mp4(path: str, frames_FHWC: np.ndarray, fps: int = 4, crf: int = 12) -> None:
+def write_mp4(path: str, frames: np.ndarray, fps: int = 4, crf: int = 12) -> None:
     """H.264 (yuv420p) mp4 via PyAV; written to a temporary name, then renamed."""
     import av
     tmp = f"{path}.tmp{os.getpid()}.mp4"
     with av.open(tmp, mode="w") as container:
         stream = container.add_stream("libx264", rate=fps)
-        stream.height, stream.width = frames_FHWC.shape[1:3]
+        stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = "yuv420p"
         stream.options = {"crf": str(crf)}
-        for f in frames_FHWC:
+        for f in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():

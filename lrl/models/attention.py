@@ -5,8 +5,8 @@ reference, or cuDNN flash attention on GPU), "ring" (ring attention over the mes
 axis) and "ulysses" (all-to-all between sequence and heads). Masking is causal by token index
 within a segment: packed rows never attend across segments.
 
-B batch · T query positions · S key/value positions · N query heads · K kv heads · H head dim ·
-G query heads per kv head.
+B batch rows · T query positions · S key/value positions · N query heads · K key/value heads ·
+H head dim · Q query heads per kv head.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from lrl.models.config import ModelConfig
 
 
 def xla_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, index_BT=None):
-    """The reference: materialises [B, K, G, T, S] scores, so only for short sequences."""
+    """The reference: materialises [B, K, Q, T, S] scores, so only for short sequences."""
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     if index_BT is None:
@@ -26,7 +26,7 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, index_BT=None):
     if segment_ids_BT is None:
         segment_ids_BT = jnp.ones((B, T), jnp.int32)
     q = q_BTNH.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH,
+    scores = jnp.einsum("btkqh,bskh->bkqts", q, k_BSKH,
                         preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(H))
     visible_BTS = ((segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
                    & (index_BT[:, None, :] <= index_BT[:, :, None]))
@@ -35,7 +35,7 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, index_BT=None):
     any_visible = visible_BTS.any(-1)[:, None, None, :, None]
     weights = jax.nn.softmax(jnp.where(any_visible, scores, 0.0), axis=-1)
     weights = jnp.where(any_visible, weights, 0.0)
-    out = jnp.einsum("bkgts,bskh->btkgh", weights.astype(v_BSKH.dtype), v_BSKH,
+    out = jnp.einsum("bkqts,bskh->btkqh", weights.astype(v_BSKH.dtype), v_BSKH,
                      preferred_element_type=jnp.float32)
     # Named as the flash kernels name theirs (lrl.models.layers.remat_policy).
     return checkpoint_name(out.reshape(B, T, N, H).astype(q_BTNH.dtype), "attn_out")

@@ -11,10 +11,11 @@ item), keyed by a hash of the video's path, mtime and size, the frame settings a
 epochs after the first skip decoding and encoding. The vision tower is frozen in this scheme
 (cached embeddings carry no gradient to it).
 
-Items are anything with `.patches` [N, C], `.grid_thw` (t, h, w) and `.source` (a path or "")
+Items are anything with `.patches` [t·h·w, A], `.grid_thw` (t, h, w) and `.source` (a path or "")
 — e.g. `lrl.data.video.VisualItem`.
 
-F frames · P patches per frame · D model width · R table rows · P prompts · G samples.
+B batch rows: frames, in the vision tower · T a frame's patches · A a patch row's pixel values ·
+D model width · R visual table rows · P prompts · G samples per prompt · E segments per row.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ Encoder = Callable[[object, np.ndarray, tuple], jax.Array]
 
 def make_encoder(vcfg: VisionConfig, mesh=None, frame_axes: Optional[Sequence[str]] = None,
                  frame_chunk: int = 16) -> Encoder:
-    """encoder(vision_params, patches [F, P, C], (grid_h, grid_w)) -> [F, P / m², D].
+    """encoder(vision_params, patches [B, T, A], (grid_h, grid_w)) -> [B, T / m², D].
 
     Frames are split over `frame_axes` (default: every mesh axis) and run `frame_chunk` per
     device at a time, so memory is bounded and a grid compiles once.
@@ -57,21 +58,21 @@ def make_encoder(vcfg: VisionConfig, mesh=None, frame_axes: Optional[Sequence[st
             compiled[grid_hw] = jax.jit(run, out_shardings=frames_spec)
         return compiled[grid_hw]
 
-    def encoder(params, patches_FPC, grid_hw):
+    def encoder(params, patches_BTA, grid_hw):
         grid_hw = (int(grid_hw[0]), int(grid_hw[1]))
-        F = patches_FPC.shape[0]
+        B = patches_BTA.shape[0]
         # Fewer frames than one chunk: shrink the chunk to the next multiple of the devices.
-        step = min(chunk, -(-F // n_dev) * n_dev)
-        padded = -(-F // step) * step
-        patches = np.asarray(patches_FPC, np.float32)
-        if padded != F:
-            patches = np.concatenate([patches, np.zeros((padded - F,) + patches.shape[1:],
+        step = min(chunk, -(-B // n_dev) * n_dev)
+        padded = -(-B // step) * step
+        patches = np.asarray(patches_BTA, np.float32)
+        if padded != B:
+            patches = np.concatenate([patches, np.zeros((padded - B,) + patches.shape[1:],
                                                         patches.dtype)])
         fn = get_fn(grid_hw)
         put = (lambda x: jax.device_put(x, frames_spec)) if mesh is not None else jnp.asarray
         outs = [fn(params, put(patches[i:i + step])) for i in range(0, padded, step)]
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
-        return out[:F]
+        return out[:B]
     return encoder
 
 
@@ -196,9 +197,9 @@ def build_table(per_prompt: Sequence, width: int, dtype=jnp.float32, pad_to: int
 
 
 def group_offsets(prompt_offsets, group_size: int, counts=None, segments_per_row: int = 1):
-    """Table offsets (and, given each prompt's visual token `counts`, counts) [P·G, 1 + S]
+    """Table offsets (and, given each prompt's visual token `counts`, counts) [P·G, 1 + E]
     for rows ordered prompt-major (row p·G + g is sample g of prompt p, segment 1): the
-    `offsets_BS` / `counts_BS` that `lrl.models.vl.visual_index` reads. Every sample of a
+    `offsets_BE` / `counts_BE` that `lrl.models.vl.visual_index` reads. Every sample of a
     prompt points at the same rows."""
     def spread(values, fill):
         per_row = np.repeat(np.asarray(values, np.int32), group_size)

@@ -9,7 +9,7 @@ Three entries:
 - `dense_attention`: whole-sequence causal packed attention (the model's "dense" path).
 
 The XLA path is blockwise: an online softmax over key chunks inside a loop over query chunks,
-so the largest score tensor is [B, K, G, Cq, Ck]; chunk pairs that the mask hides entirely
+so the largest score tensor is [B, K, Q, Cq, Ck]; chunk pairs that the mask hides entirely
 are skipped. Accumulation is in float32. Rows that see no key give o = 0, lse = -inf, and
 zero gradients, never NaN.
 
@@ -17,8 +17,9 @@ cuDNN (GPU, bf16/fp16) comes through `lrl.models.flash_cudnn`, the one module th
 jax's private cuDNN attention; when it is missing or the shapes do not suit it,
 `implementation=None` falls back to XLA.
 
-B batch · T query positions · S key/value positions · N query heads · K kv heads · H head dim ·
-G query heads per kv head · C chunk · M segments per row.
+B batch rows · T query positions · S key/value positions · N query heads · K key/value heads ·
+H head dim · Q query heads per kv head · E segments per row. Cq, Ck: a query and a key chunk's
+positions.
 """
 from __future__ import annotations
 
@@ -68,10 +69,10 @@ def _prepare(q, k, v, masks, cq, ck, do=None, lse=None, delta=None):
         kidx=_chunked(_pad_axis1(kidx, ck, _PAD_KV_INDEX), ck))
     if do is not None:
         out["do"] = _chunked(_pad_axis1(do.reshape(B, T, K, N // K, H), cq, 0), cq)
-    for name, x in (("lse", lse), ("delta", delta)):  # [B, N, T] -> [nq, B, K, G, Cq]
+    for name, x in (("lse", lse), ("delta", delta)):  # [B, N, T] -> [nq, B, K, Q, Cq]
         if x is not None:
             x = _pad_axis1(jnp.moveaxis(x, 2, 1), cq, 0)           # [B, Tp, N]
-            x = _chunked(x.reshape(B, x.shape[1], K, N // K), cq)   # [nq, B, Cq, K, G]
+            x = _chunked(x.reshape(B, x.shape[1], K, N // K), cq)   # [nq, B, Cq, K, Q]
             out[name] = jnp.moveaxis(x, 2, 4)
     return out
 
@@ -96,7 +97,7 @@ def _flash_fwd(q, k, v, masks, scale, cq, ck):
     x = _prepare(q, k, v, masks, cq, ck)
 
     def one_q_chunk(args):
-        q_c, qseg_c, qidx_c = args                       # [B, Cq, K, G, H], [B, Cq], [B, Cq]
+        q_c, qseg_c, qidx_c = args                       # [B, Cq, K, Q, H], [B, Cq], [B, Cq]
         stat = jnp.zeros((B, K, N // K, cq), jnp.float32)
         init = (stat - jnp.inf, stat, jnp.zeros((B, K, N // K, cq, H), jnp.float32))
 
@@ -105,7 +106,7 @@ def _flash_fwd(q, k, v, masks, scale, cq, ck):
 
             def update(carry):
                 m, l, acc = carry
-                s = jnp.einsum("bqkgh,bskh->bkgqs", q_c, k_c,
+                s = jnp.einsum("btkqh,bskh->bkqts", q_c, k_c,
                                preferred_element_type=jnp.float32) * scale
                 s = jnp.where(_visible(qseg_c, qidx_c, kseg_c, kidx_c), s, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(-1))
@@ -113,7 +114,7 @@ def _flash_fwd(q, k, v, masks, scale, cq, ck):
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                 p = jnp.exp(s - m_safe[..., None])
                 corr = jnp.exp(m - m_safe)
-                pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v_c.dtype), v_c,
+                pv = jnp.einsum("bkqts,bskh->bkqth", p.astype(v_c.dtype), v_c,
                                 preferred_element_type=jnp.float32)
                 return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
@@ -126,7 +127,7 @@ def _flash_fwd(q, k, v, masks, scale, cq, ck):
         lse = jnp.where(seen, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(l_safe), -jnp.inf)
         return acc / l_safe[..., None], lse
 
-    o, lse = lax.map(one_q_chunk, (x["q"], x["qseg"], x["qidx"]))  # [nq,B,K,G,Cq,H], [nq,B,K,G,Cq]
+    o, lse = lax.map(one_q_chunk, (x["q"], x["qseg"], x["qidx"]))  # [nq,B,K,Q,Cq,H], [nq,B,K,Q,Cq]
     Tp = o.shape[0] * cq
     o = jnp.transpose(o, (1, 0, 4, 2, 3, 5)).reshape(B, Tp, N, H)[:, :T]
     lse = jnp.transpose(lse, (1, 2, 3, 0, 4)).reshape(B, N, Tp)[:, :, :T]
@@ -156,18 +157,18 @@ def _flash_bwd(q, k, v, o, lse, do, masks, scale, cq, ck, dlse=None):
 
             def update(args):
                 dk_c, dv_c, dq_c = args
-                s = jnp.einsum("bqkgh,bskh->bkgqs", q_c, k_c,
+                s = jnp.einsum("btkqh,bskh->bkqts", q_c, k_c,
                                preferred_element_type=jnp.float32) * scale
                 vis = _visible(qseg_c, qidx_c, kseg_c, kidx_c)
                 p = jnp.where(vis, jnp.exp(s - lse_c[..., None]), 0.0)
-                dv_c = dv_c + jnp.einsum("bkgqs,bqkgh->bskh", p.astype(do_c.dtype), do_c,
+                dv_c = dv_c + jnp.einsum("bkqts,btkqh->bskh", p.astype(do_c.dtype), do_c,
                                          preferred_element_type=jnp.float32)
-                dp = jnp.einsum("bqkgh,bskh->bkgqs", do_c, v_c,
+                dp = jnp.einsum("btkqh,bskh->bkqts", do_c, v_c,
                                 preferred_element_type=jnp.float32)
                 ds = (p * (dp - delta_c[..., None]) * scale).astype(q_c.dtype)
-                dq_c = dq_c + jnp.einsum("bkgqs,bskh->bqkgh", ds, k_c,
+                dq_c = dq_c + jnp.einsum("bkqts,bskh->btkqh", ds, k_c,
                                          preferred_element_type=jnp.float32)
-                dk_c = dk_c + jnp.einsum("bkgqs,bqkgh->bskh", ds, q_c,
+                dk_c = dk_c + jnp.einsum("bkqts,btkqh->bskh", ds, q_c,
                                          preferred_element_type=jnp.float32)
                 return dk_c, dv_c, dq_c
 

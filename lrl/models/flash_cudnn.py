@@ -5,8 +5,8 @@ packed-segment dense attention, and the packed layout's per-run log-sum-exp (`Pa
 The import is guarded; `unavailable_reason` says why cuDNN cannot run, and callers
 (lrl.models.flash) then take the XLA path.
 
-B batch · T query positions · S key/value positions · N query heads · K kv heads · H head dim ·
-M segments per row.
+B batch rows · T query positions · S key/value positions · N query heads · K key/value heads ·
+H head dim · E segments per row (cuDNN's runs).
 """
 from __future__ import annotations
 
@@ -59,15 +59,15 @@ _CUDNN_BWD = None if _cudnn is None else _cudnn_bwd_binder()
 
 
 def _mask_type(causal, padded):
-    M = _cudnn.MaskType
-    return ((M.PADDING_CAUSAL if causal else M.PADDING) if padded
-            else (M.CAUSAL if causal else M.NO_MASK))
+    kind = _cudnn.MaskType
+    return ((kind.PADDING_CAUSAL if causal else kind.PADDING) if padded
+            else (kind.CAUSAL if causal else kind.NO_MASK))
 
 
 def fwd(q, k, v, *, causal, scale, q_len=None, kv_len=None, q_off=None, kv_off=None):
     """cuDNN flash attention -> (o, lse [B,N,T] f32); q_len / kv_len [B] mask the rows and
     keys beyond them (cuDNN's padding mask: what it leaves there is undefined); with
-    q_off / kv_off [B, M+1] and lengths [B, M] the rows are packed segments."""
+    q_off / kv_off [B, E+1] and lengths [B, E] the rows are packed segments."""
     o, lse = _cudnn.dot_product_attention(
         q, k, v, None, None, q_len, kv_len, q_off, kv_off, scale=scale,
         mask_type=_mask_type(causal, q_len is not None), qkv_layout="BTNH",
@@ -128,7 +128,7 @@ def _run_starts(segment_ids_BT):
 
 
 def segment_runs(segment_ids_BT, max_segments):
-    """Contiguous runs of equal ids -> (offsets [B, M+1], lengths [B, M], count [B]) in the
+    """Contiguous runs of equal ids -> (offsets [B, E+1], lengths [B, E], count [B]) in the
     form of cuDNN's packed layout (unused slots -1). Ids must form one run per segment."""
     T = segment_ids_BT.shape[1]
     start_BT = _run_starts(segment_ids_BT)
@@ -158,47 +158,47 @@ def dense_causal(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, scale, max_segments)
 
 @dataclasses.dataclass(frozen=True)
 class PackedRuns:
-    """A causal block's segments in cuDNN's packed layout (M = max_segments runs a row).
-    cuDNN keeps the log-sum-exp per run: [B·M, N, T], the runs of all rows numbered one after
+    """A causal block's segments in cuDNN's packed layout (E = max_segments runs a row).
+    cuDNN keeps the log-sum-exp per run: [B·E, N, T], the runs of all rows numbered one after
     another (row b's run m is slot m + the run count of rows 0..b-1; measured on an H200),
     each from position 0, the slots past the last run unused. A ring merges and passes it per
     token, [B, N, T]."""
-    offsets_BM: jax.Array     # [B, M+1], -1 past the row's runs
-    lengths_BM: jax.Array     # [B, M]
+    offsets_BE: jax.Array     # [B, E+1], -1 past the row's runs
+    lengths_BE: jax.Array     # [B, E]
     slot_BT: jax.Array        # each token's stats slot x T + its position in its run
-    too_many_B: jax.Array     # rows with more than M runs (their output is NaN)
+    too_many_B: jax.Array     # rows with more than E runs (their output is NaN)
 
     @classmethod
     def of(cls, seg_BT, max_segments):
-        M = int(max_segments)
-        offsets_BM, lengths_BM, count_B = segment_runs(seg_BT, M)
+        E = int(max_segments)
+        offsets_BE, lengths_BE, count_B = segment_runs(seg_BT, E)
         T = seg_BT.shape[1]
-        run_BT = jnp.minimum(jnp.cumsum(_run_starts(seg_BT), axis=1) - 1, M - 1)
-        used_B = jnp.minimum(count_B, M)                         # cuDNN sees M runs at most
+        run_BT = jnp.minimum(jnp.cumsum(_run_starts(seg_BT), axis=1) - 1, E - 1)
+        used_B = jnp.minimum(count_B, E)                         # cuDNN sees E runs at most
         first_B = jnp.cumsum(used_B) - used_B                    # runs of the rows before
-        pos_BT = jnp.arange(T)[None] - jnp.take_along_axis(offsets_BM, run_BT, axis=1)
+        pos_BT = jnp.arange(T)[None] - jnp.take_along_axis(offsets_BE, run_BT, axis=1)
         slot_BT = (first_B[:, None] + run_BT) * T + pos_BT
-        return cls(offsets_BM, lengths_BM, slot_BT, count_B > M)
+        return cls(offsets_BE, lengths_BE, slot_BT, count_B > E)
 
     @property
     def kwargs(self):
-        return dict(q_len=self.lengths_BM, kv_len=self.lengths_BM, q_off=self.offsets_BM,
-                    kv_off=self.offsets_BM)
+        return dict(q_len=self.lengths_BE, kv_len=self.lengths_BE, q_off=self.offsets_BE,
+                    kv_off=self.offsets_BE)
 
     def nan_where_too_many(self, o_BTNH):
         """A row with more runs than cuDNN was given: NaN rather than a wrong answer."""
         return jnp.where(self.too_many_B[:, None, None, None], jnp.nan, o_BTNH)
 
     def stats_to_tokens(self, stats):
-        BM, N, T = stats.shape
-        flat_NX = stats.transpose(1, 0, 2).reshape(N, BM * T)
-        # a row past the M runs reads a clipped slot: its output is NaN anyway
-        return jnp.take(flat_NX, jnp.minimum(self.slot_BT, BM * T - 1), axis=1).transpose(1, 0, 2)
+        BE, N, T = stats.shape
+        flat = stats.transpose(1, 0, 2).reshape(N, BE * T)              # [N, B·E·T]
+        # a row past the E runs reads a clipped slot: its output is NaN anyway
+        return jnp.take(flat, jnp.minimum(self.slot_BT, BE * T - 1), axis=1).transpose(1, 0, 2)
 
     def tokens_to_stats(self, lse_BNT):
         B, N, T = lse_BNT.shape
-        M = self.lengths_BM.shape[1]
-        flat_XN = jnp.zeros((B * M * T, N), jnp.float32)
-        flat_XN = flat_XN.at[self.slot_BT.reshape(-1)].set(
+        E = self.lengths_BE.shape[1]
+        flat = jnp.zeros((B * E * T, N), jnp.float32)                   # [B·E·T, N]
+        flat = flat.at[self.slot_BT.reshape(-1)].set(
             lse_BNT.transpose(0, 2, 1).reshape(B * T, N), mode="drop")
-        return flat_XN.reshape(B * M, T, N).transpose(0, 2, 1)
+        return flat.reshape(B * E, T, N).transpose(0, 2, 1)

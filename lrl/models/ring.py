@@ -16,7 +16,8 @@ through its first chunk (by all local queries); a block from a later shard j > i
 by the second local chunk (all of it). "contiguous" (shard i holds chunk i) skips the blocks
 of later shards and leaves the early shards idle: kept for comparison.
 
-B batch · T query positions · S key/value positions · N query heads · K kv heads · H head dim.
+B batch rows · T query positions · S key/value positions · N query heads · K key/value heads ·
+H head dim.
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ all-to-all turns the output back. As in verl and Long-RL, when there are fewer k
 seq shards (K < n, n % K == 0) each kv head is repeated just enough for one per shard.
 Gradients come from autodiff (an all-to-all transposes to the reverse all-to-all).
 
-B batch · T positions · N query heads · K kv heads · H head dim.
+B batch rows · T query positions · S key/value positions · N query heads · K key/value heads ·
+H head dim.
 """
 from __future__ import annotations
 

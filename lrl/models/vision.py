@@ -3,22 +3,26 @@
 Pixels arrive patched as the processor writes them (`lrl.data.video`): one row per
 (temporal patch × spatial patch), rows of one frame in merge-block order (each group of
 `spatial_merge_size²` consecutive rows is one visual token of the language model). The tower
-works on frames F (temporal patches) of P patches each, so frames are an ordinary batch axis
-that can be split over devices:
+is a transformer over frames (temporal patches) of T patches each: frames are its batch rows,
+an ordinary batch axis that can be split over devices:
 
   patch embedding (the Conv3d with stride = kernel is a matmul over flattened patches) →
   depth × block (RMSNorm, attention with a 2D rotary embedding over (row, column), SwiGLU MLP),
   where most blocks attend within windows of `window_size` pixels and the blocks in
   `fullatt_block_indexes` attend over the whole frame →
-  patch merger (RMSNorm, 2×2 neighbours concatenated, MLP) → [F, P / m², D_out].
+  patch merger (RMSNorm, 2×2 neighbours concatenated, MLP) → [B, T / m², D_out], D_out the
+  language model's width.
 
 transformers permutes the patches into window order and attends over packed windows
 (`cu_seqlens`); attention without a causal mask does not care about order, so here windows are
-gathered into padded slots [F, windows, slots] (valid patches first) and scattered back, and
+gathered into padded slots [B, W, slots] (valid patches first) and scattered back, and
 nothing else is permuted.
 
-F frames (temporal patches) · P patches per frame · D vision width · N heads · H head dim ·
-L blocks · W windows per frame · S slots per window.
+The letters are the decoder's, in the tower's own sizes: B batch rows: frames (in windowed
+attention, a frame's windows) · T query positions: a frame's patches (in windowed attention, a
+window's slots) · S key/value positions: the same · D the tower's width · F its MLP width ·
+N heads · H head dim · L layers (blocks) · W windows per frame · A a patch row's pixel values
+(channels × temporal patch × patch²).
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "quick_gelu")
 class VisionConfig:
     depth: int = 2                     # L
     hidden_size: int = 32              # D
-    intermediate_size: int = 48
+    intermediate_size: int = 48        # F
     num_heads: int = 2                 # N
     in_channels: int = 3
     patch_size: int = 14
@@ -117,11 +121,12 @@ def from_hf_vision_dict(hf: dict, **overrides) -> VisionConfig:
 
 class FrameLayout(NamedTuple):
     """Everything that depends only on a frame's patch grid, computed once on the host."""
-    cos_PH: np.ndarray        # float32 rotary cos per patch
-    sin_PH: np.ndarray
-    gather_WS: np.ndarray     # int32 patch index per window slot; P marks an empty slot
+    cos_TH: np.ndarray        # float32 rotary cos per patch
+    sin_TH: np.ndarray
+    gather_WT: np.ndarray     # int32 patch index per window slot; the patch count marks an
+                              # empty slot
     lengths_W: np.ndarray     # int32 valid slots per window (valid slots come first)
-    inverse_P: np.ndarray     # int32 flat slot (w * S + s) of each patch
+    inverse_T: np.ndarray     # int32 flat slot (w * slots + s) of each patch
 
 
 @functools.lru_cache(maxsize=64)
@@ -130,8 +135,8 @@ def frame_layout(vcfg: VisionConfig, grid_h: int, grid_w: int) -> FrameLayout:
     if grid_h % m or grid_w % m:
         raise ValueError(f"vision: patch grid {grid_h}x{grid_w} is not a multiple of "
                          f"spatial_merge_size={m}")
-    P = grid_h * grid_w
-    k = np.arange(P)
+    T = grid_h * grid_w
+    k = np.arange(T)
     unit, within = k // vcfg.merge_unit, k % vcfg.merge_unit
     units_w = grid_w // m
     uh, uw = unit // units_w, unit % units_w
@@ -149,13 +154,13 @@ def frame_layout(vcfg: VisionConfig, grid_h: int, grid_w: int) -> FrameLayout:
     order = np.argsort(window_of, kind="stable")
     lengths = np.bincount(window_of, minlength=windows).astype(np.int32)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    S = ws * ws * vcfg.merge_unit
-    rank = np.empty(P, np.int64)
-    rank[order] = np.arange(P) - starts[window_of[order]]
-    gather = np.full((windows, S), P, np.int32)
+    slots = ws * ws * vcfg.merge_unit
+    rank = np.empty(T, np.int64)
+    rank[order] = np.arange(T) - starts[window_of[order]]
+    gather = np.full((windows, slots), T, np.int32)
     gather[window_of, rank] = k
     return FrameLayout(np.cos(emb), np.sin(emb), gather, lengths,
-                       (window_of * S + rank).astype(np.int32))
+                       (window_of * slots + rank).astype(np.int32))
 
 
 # ----------------------------------------------------------------------------- device math
@@ -181,74 +186,75 @@ def _dense(x, p, dtype):
     return y + p["bias"].astype(dtype) if "bias" in p else y
 
 
-def _rope(x_FPNH, cos_PH, sin_PH):
-    x = x_FPNH.astype(jnp.float32)
+def _rope(x_BTNH, cos_TH, sin_TH):
+    x = x_BTNH.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    out = x * cos_PH[None, :, None, :] + rotated * sin_PH[None, :, None, :]
-    return out.astype(x_FPNH.dtype)
+    out = x * cos_TH[None, :, None, :] + rotated * sin_TH[None, :, None, :]
+    return out.astype(x_BTNH.dtype)
 
 
-def _attention(vcfg: VisionConfig, q_BSNH, k_BSNH, v_BSNH, lengths_B=None):
+def _attention(vcfg: VisionConfig, q_BTNH, k_BSNH, v_BSNH, lengths_B=None):
     """Bidirectional attention; keys at or past `lengths_B` (per batch row) are masked."""
     if vcfg.attention_impl == "cudnn":
         return jax.nn.dot_product_attention(
-            q_BSNH, k_BSNH, v_BSNH, query_seq_lengths=lengths_B,
+            q_BTNH, k_BSNH, v_BSNH, query_seq_lengths=lengths_B,
             key_value_seq_lengths=lengths_B, implementation="cudnn")
     if vcfg.attention_impl not in (None, "xla"):
         raise ValueError(f"vision: attention_impl={vcfg.attention_impl!r}; use 'xla' or 'cudnn'")
-    S, H = q_BSNH.shape[1], q_BSNH.shape[-1]
-    scores = jnp.einsum("bsnh,btnh->bnst", q_BSNH, k_BSNH,
+    S, H = k_BSNH.shape[1], q_BTNH.shape[-1]
+    scores = jnp.einsum("btnh,bsnh->bnts", q_BTNH, k_BSNH,
                         preferred_element_type=jnp.float32) / math.sqrt(H)
     if lengths_B is not None:
         visible = jnp.arange(S)[None, :] < lengths_B[:, None]
         scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1).astype(v_BSNH.dtype)
-    return jnp.einsum("bnst,btnh->bsnh", weights, v_BSNH, preferred_element_type=jnp.float32
-                      ).astype(q_BSNH.dtype)
+    return jnp.einsum("bnts,bsnh->btnh", weights, v_BSNH, preferred_element_type=jnp.float32
+                      ).astype(q_BTNH.dtype)
 
 
 def _windowed(vcfg: VisionConfig, layout: FrameLayout, q, k, v):
     """Attention within windows: gather into padded slots, attend, scatter back."""
-    F, P, N, H = q.shape
-    W, S = layout.gather_WS.shape
-    flat = jnp.asarray(layout.gather_WS.reshape(-1))
+    B, T, N, H = q.shape
+    W, slots = layout.gather_WT.shape
+    flat = jnp.asarray(layout.gather_WT.reshape(-1))
 
-    def slots(x):
-        return jnp.take(x, flat, axis=1, mode="fill", fill_value=0).reshape(F * W, S, N, H)
+    def in_slots(x):   # [B, T, N, H] -> [B * W, slots, N, H]
+        return jnp.take(x, flat, axis=1, mode="fill", fill_value=0).reshape(B * W, slots, N, H)
 
-    lengths = jnp.tile(jnp.asarray(layout.lengths_W), F)
-    out = _attention(vcfg, slots(q), slots(k), slots(v), lengths).reshape(F, W * S, N, H)
-    return jnp.take(out, jnp.asarray(layout.inverse_P), axis=1)
+    lengths = jnp.tile(jnp.asarray(layout.lengths_W), B)
+    out = _attention(vcfg, in_slots(q), in_slots(k), in_slots(v), lengths)
+    out = out.reshape(B, W * slots, N, H)
+    return jnp.take(out, jnp.asarray(layout.inverse_T), axis=1)
 
 
-def _block(vcfg: VisionConfig, layout: FrameLayout, x_FPD, p, full):
+def _block(vcfg: VisionConfig, layout: FrameLayout, x_BTD, p, full):
     dt = vcfg.dtype
-    F, P, D = x_FPD.shape
+    B, T, D = x_BTD.shape
     N, H = vcfg.num_heads, vcfg.head_dim
-    h = _rms_norm(x_FPD, p["norm1"]["scale"], vcfg.rms_norm_eps, dt)
-    qkv = _dense(h, p["qkv"], dt).reshape(F, P, 3, N, H)
-    cos, sin = jnp.asarray(layout.cos_PH), jnp.asarray(layout.sin_PH)
+    h = _rms_norm(x_BTD, p["norm1"]["scale"], vcfg.rms_norm_eps, dt)
+    qkv = _dense(h, p["qkv"], dt).reshape(B, T, 3, N, H)
+    cos, sin = jnp.asarray(layout.cos_TH), jnp.asarray(layout.sin_TH)
     q, k, v = _rope(qkv[:, :, 0], cos, sin), _rope(qkv[:, :, 1], cos, sin), qkv[:, :, 2]
     attn = jax.lax.cond(full, lambda: _attention(vcfg, q, k, v),
                         lambda: _windowed(vcfg, layout, q, k, v))
-    x = x_FPD + _dense(attn.reshape(F, P, D), p["proj"], dt)
+    x = x_BTD + _dense(attn.reshape(B, T, D), p["proj"], dt)
     h = _rms_norm(x, p["norm2"]["scale"], vcfg.rms_norm_eps, dt)
     mlp = _act(vcfg.hidden_act, _dense(h, p["gate_proj"], dt)) * _dense(h, p["up_proj"], dt)
     return x + _dense(mlp, p["down_proj"], dt)
 
 
-def encode_frames(vcfg: VisionConfig, params, patches_FPC, grid_hw: tuple[int, int],
+def encode_frames(vcfg: VisionConfig, params, patches_BTA, grid_hw: tuple[int, int],
                   mesh=None, frame_axes: Optional[tuple[str, ...]] = None):
-    """Vision embeddings [F, P / m², D_out] of F frames sharing one patch grid (grid_h, grid_w).
+    """Vision embeddings [B, T / m², D_out] of B frames sharing one patch grid (grid_h, grid_w).
 
-    `patches_FPC` are the processor's rows of those frames, C = channels × temporal patch ×
+    `patches_BTA` are the processor's rows of those frames, A = channels × temporal patch ×
     patch². With `mesh`, frames are kept split over `frame_axes` (None: every mesh axis; axes
-    of size 1 are ignored), so F must divide by their product. Model code: the caller jits.
+    of size 1 are ignored), so B must divide by their product. Model code: the caller jits.
     """
-    F, P, C = patches_FPC.shape
-    if C != vcfg.patch_dim or P != grid_hw[0] * grid_hw[1]:
-        raise ValueError(f"vision: patches of shape {patches_FPC.shape} do not fit grid {grid_hw} "
+    B, T, A = patches_BTA.shape
+    if A != vcfg.patch_dim or T != grid_hw[0] * grid_hw[1]:
+        raise ValueError(f"vision: patches of shape {patches_BTA.shape} do not fit grid {grid_hw} "
                          f"with patch_dim={vcfg.patch_dim}")
     layout = frame_layout(vcfg, *grid_hw)
 
@@ -261,7 +267,7 @@ def encode_frames(vcfg: VisionConfig, params, patches_FPC, grid_hw: tuple[int, i
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
     dt = vcfg.dtype
-    x = keep_split(jnp.einsum("fpc,cd->fpd", patches_FPC.astype(dt),
+    x = keep_split(jnp.einsum("bta,ad->btd", patches_BTA.astype(dt),
                               params["patch_embed"]["kernel"].astype(dt)))
     full_L = np.isin(np.arange(vcfg.depth), vcfg.fullatt_block_indexes)
 
@@ -272,18 +278,19 @@ def encode_frames(vcfg: VisionConfig, params, patches_FPC, grid_hw: tuple[int, i
     x, _ = jax.lax.scan(body, x, (params["blocks"], jnp.asarray(full_L)))
     mp = params["merger"]
     h = _rms_norm(x, mp["ln_q"]["scale"], vcfg.rms_norm_eps, dt)
-    h = h.reshape(F, P // vcfg.merge_unit, vcfg.merge_unit * vcfg.hidden_size)
+    h = h.reshape(B, T // vcfg.merge_unit, vcfg.merge_unit * vcfg.hidden_size)
     h = _dense(jax.nn.gelu(_dense(h, mp["fc1"], dt), approximate=False), mp["fc2"], dt)
     return keep_split(h)
 
 
-def encode(vcfg: VisionConfig, params, patches_NC, grid_thw: tuple[int, int, int], mesh=None):
-    """One image or video, rows as the processor gives them -> [t·h·w / m², D_out]."""
+def encode(vcfg: VisionConfig, params, patches, grid_thw: tuple[int, int, int], mesh=None):
+    """One image or video, its rows [t·h·w, A] as the processor gives them ->
+    [t·h·w / m², D_out]."""
     t, gh, gw = (int(g) for g in grid_thw)
-    if patches_NC.shape[0] != t * gh * gw:
-        raise ValueError(f"vision: {patches_NC.shape[0]} patch rows for grid_thw={grid_thw} "
+    if patches.shape[0] != t * gh * gw:
+        raise ValueError(f"vision: {patches.shape[0]} patch rows for grid_thw={grid_thw} "
                          f"(expected {t * gh * gw})")
-    out = encode_frames(vcfg, params, patches_NC.reshape(t, gh * gw, -1), (gh, gw), mesh)
+    out = encode_frames(vcfg, params, patches.reshape(t, gh * gw, -1), (gh, gw), mesh)
     return out.reshape(-1, out.shape[-1])
 
 

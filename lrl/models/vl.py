@@ -21,7 +21,8 @@ row: tokens, visual index and segment ids [B, T] and positions [3, B, T] all spl
 (`constrain_positions`, `batch_shardings`), the table is replicated, and with ring attention
 the integer inputs are put in the ring's zig-zag order before the embedding lookup.
 
-B batch · T positions · D model width · V vocabulary · R visual table rows.
+B batch rows · T query positions · D model width · V vocabulary · R visual table rows ·
+E segments per row (indexed by segment id).
 """
 from __future__ import annotations
 
@@ -146,33 +147,33 @@ def text_positions_3(tokens_BT, segment_ids_BT=None, offset_B=None):
 
 # ----------------------------------------------------------------------------- visual index
 
-def visual_index(vl_cfg: VLConfig, tokens_BT, segment_ids_BT=None, offsets_BS=None,
-                 counts_BS=None):
+def visual_index(vl_cfg: VLConfig, tokens_BT, segment_ids_BT=None, offsets_BE=None,
+                 counts_BE=None):
     """Host-side [B, T] int32 index into the visual table (-1 for text tokens).
 
-    The k-th placeholder of segment s of row b reads table row `offsets_BS[b, s] + k`, for
-    k < `counts_BS[b, s]` (the prompt's visual token count): placeholder ids the policy happens
+    The k-th placeholder of segment s of row b reads table row `offsets_BE[b, s] + k`, for
+    k < `counts_BE[b, s]` (the prompt's visual token count): placeholder ids the policy happens
     to sample in a completion stay ordinary tokens. Without segment ids each row is segment 1;
     without offsets, rows read consecutive table rows in row-major order (transformers'
     masked_scatter order).
     """
     tokens_BT = np.asarray(tokens_BT)
     is_vis = np.isin(tokens_BT, vl_cfg.vision_token_ids)
-    if offsets_BS is None:
+    if offsets_BE is None:
         idx = np.cumsum(is_vis.ravel()).reshape(is_vis.shape) - 1
         return np.where(is_vis, idx, -1).astype(np.int32)
     seg = np.ones_like(tokens_BT) if segment_ids_BT is None else np.asarray(segment_ids_BT)
-    offsets_BS = np.asarray(offsets_BS)
+    offsets_BE = np.asarray(offsets_BE)
     out = np.full(tokens_BT.shape, -1, np.int32)
     for b in range(tokens_BT.shape[0]):
         for s in np.unique(seg[b][is_vis[b]]):
             where = np.nonzero(is_vis[b] & (seg[b] == s))[0]
-            if counts_BS is not None:
-                where = where[:int(counts_BS[b, s])]
-            if len(where) and offsets_BS[b, s] < 0:
+            if counts_BE is not None:
+                where = where[:int(counts_BE[b, s])]
+            if len(where) and offsets_BE[b, s] < 0:
                 raise ValueError(f"visual_index: row {b} segment {s} has {len(where)} visual "
                                  "tokens but no table offset")
-            out[b, where] = offsets_BS[b, s] + np.arange(len(where))
+            out[b, where] = offsets_BE[b, s] + np.arange(len(where))
     return out
 
 

@@ -5,7 +5,7 @@ lrl decoder's; the vision half is read tensor by tensor into the stacked layout 
 `lrl.models.vision`. Both checkpoint spellings are read: the hub's (`model.layers.*`,
 `visual.*`) and transformers 4.5x's (`model.language_model.layers.*`, `model.visual.*`).
 
-D width · F MLP width · L layers.
+D model width · F MLP width · L layers (the vision tower's own, in its tree).
 """
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ every weight every step, so `Engine.decode_params` relays them once per rollout
 decode steps take that tree. With a mesh, the pool is split over kv heads on the `tensor`
 axis and XLA partitions the steps.
 
-B batch rows · T query positions · C chunk · S slots · D model width · V vocabulary ·
-N query heads · K kv heads · H head dim · L layers · M pages per slot.
+B batch rows (a decode step's rows are the slots) · T query positions · C chunk ·
+D model width · G samples per prompt.
 """
 from __future__ import annotations
 
@@ -269,10 +269,10 @@ class Engine:
         return SlotPlan(slot, prefix, sample_id, max_new_tokens, full + own, src, dst)
 
     def run_insert(self, state: DecodeState, plans) -> DecodeState:
-        S = self.ecfg.max_slots
-        slot = np.full(S, S, np.int32)                  # index S: dropped
-        rows = np.zeros((S, self.ecfg.pages_per_slot), np.int32)
-        length, token, remaining, sample_id, src, dst, delta = (np.zeros(S, np.int32)
+        B = self.ecfg.max_slots
+        slot = np.full(B, B, np.int32)                  # index B (no slot): dropped
+        rows = np.zeros((B, self.ecfg.pages_per_slot), np.int32)
+        length, token, remaining, sample_id, src, dst, delta = (np.zeros(B, np.int32)
                                                                 for _ in range(7))
         for i, p in enumerate(plans):
             slot[i], rows[i] = p.slot, self.page_row(p.pages)
@@ -303,7 +303,7 @@ class Engine:
         return decode_params(self.cfg, params, self.mesh)
 
     def generate(self, params, decode_state: DecodeState, rng, num_steps: int = 1):
-        """-> (decode_state, StepOutput [num_steps, S]) for every live slot. `params` in the
+        """-> (decode_state, StepOutput [num_steps, B]) for every live slot. `params` in the
         training layout work too, slower: prefer `decode_params(params)`, once per rollout.
 
         If a Pallas kernel (attention or sampling) fails to lower (an unsupported shape or jax

@@ -15,7 +15,8 @@ Multimodal prompts pass `prompt_embeds` (per prompt [T, D], visual rows spliced 
 `prompt_positions` (per prompt [3, T] M-RoPE positions); the prefill reads them once per
 prompt and its G samples decode at rotary position `index + rope delta`.
 
-P prompts · G samples per prompt · S slots.
+P prompts · G samples per prompt · B batch rows: the engine's slots · T query positions ·
+D model width.
 """
 from __future__ import annotations
 
@@ -62,9 +63,10 @@ def _pool_pages(cfg, prompts, max_new, page_size, slots, pool_tokens, pool_fract
 
 def _k_splits(slots: int, kv_programs: int, programs: int = 512) -> int:
     """Kernel programs are slots x kv-head programs x splits: aim for about `programs`, from 1
-    to 16 splits, a power of two. Measured on the H200 (Qwen2.5-1.5B shapes): 256 slots ran
-    5.40 ms a step with 1 split, 5.78 with 2 and 5.76 with 4 (jax's kernel); our kernel at 16
-    rows of 8K tokens took 55.6 µs a layer with 16 splits and 81.7 with 8."""
+    to 16 splits, a power of two. Many slots fill the GPU unsplit, and splitting them was
+    slower (256 slots: 1 split faster than 2 or 4); a few long rows need the splits (16 rows of
+    8K tokens: 16 faster than 8). Qwen2.5-1.5B shapes; BENCHMARKS.md, "Decode layout of the
+    weights", the fourth session's kernel table, and "Measurements once quoted in the code"."""
     k = 1
     while k < 16 and slots * kv_programs * k < programs:
         k *= 2
@@ -119,22 +121,22 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                          f"{len(prompt_positions)} prompt_positions")
     if P == 0:
         return []
-    S = max_slots or min(P * G, 256)
+    B = max_slots or min(P * G, 256)
     longest = max(len(p) for p in prompts)
     if prefill_block_pages is None:
         prefill_block_pages = max(1, 1024 // page_size)
     ecfg = EngineConfig(
         page_size=page_size,
-        num_pages=_pool_pages(cfg, prompts, max_new_tokens, page_size, S, pool_tokens,
+        num_pages=_pool_pages(cfg, prompts, max_new_tokens, page_size, B, pool_tokens,
                               pool_fraction, mesh),
-        max_slots=S, max_pages_per_slot=pages_for(longest + max_new_tokens - 1, page_size),
+        max_slots=B, max_pages_per_slot=pages_for(longest + max_new_tokens - 1, page_size),
         prefill_chunk=prefill_chunk, min_prefill_bucket=min(16, prefill_chunk),
         prefill_batch_tokens=prefill_batch_tokens,
         eos_ids=tuple(int(e) for e in eos_ids),
         sampling=SamplingParams(float(temperature), int(top_k), float(top_p)),
         attention_impl=attention_impl, decode_block_pages=decode_block_pages,
         prefill_block_pages=prefill_block_pages, layer_unroll=layer_unroll,
-        pallas_k_splits=pallas_k_splits or _k_splits(S, cfg.n_kv_heads // kv_heads_per_program(
+        pallas_k_splits=pallas_k_splits or _k_splits(B, cfg.n_kv_heads // kv_heads_per_program(
             cfg.n_heads, cfg.n_kv_heads, pallas_kv_per_program)),
         pallas_warps=pallas_warps, pallas_stages=pallas_stages,
         pallas_kv_per_program=pallas_kv_per_program, fused_decode=fused_decode,
@@ -150,8 +152,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     queue = collections.deque(range(P))
     next_sample = [0] * P
     open_prefix = {}
-    free_slots = collections.deque(range(S))
-    owner: list[Optional[tuple[int, int]]] = [None] * S
+    free_slots = collections.deque(range(B))
+    owner: list[Optional[tuple[int, int]]] = [None] * B
     out_tokens: dict[int, list] = {}
     out_logps: dict[int, list] = {}
     st = collections.Counter()
@@ -164,7 +166,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             (out.tokens, out.logps, out.valid, out.active))
         tokens, logps, valid = tokens.T, logps.T, valid.T
         done = []
-        for s in range(S):
+        for s in range(B):
             if owner[s] is None:
                 continue
             v = valid[s]
@@ -237,9 +239,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         # Decode until a slot may have finished. While prompts wait, collect this call at once:
         # its freed slots are refilled before the next call. Once none wait, launch the next
         # call first and collect the previous one while it runs, so the device does not idle
-        # while the host reads tokens back. On the H200 at 256 slots (with the decode loop's
-        # condition on the device, `steps._DECODE_OPTIONS`): 3.90-3.94 ms a step against
-        # 3.93-4.00 collecting every call before launching the next.
+        # while the host reads tokens back. With the decode loop's condition on the device
+        # (`steps._DECODE_OPTIONS`), steps were faster than when every call was collected
+        # before the next was launched (BENCHMARKS.md, "Sixth session", "Overlap").
         t0 = time.perf_counter()
         state, out = engine.generate(dparams, state, rng, num_steps=steps_per_call)
         st["decode_calls"] += 1
@@ -259,7 +261,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         raise RuntimeError(f"{engine.pool.num_used} pages still in use after the batch")
     if stats is not None:
         stats.update(dict(st), prefill_s=t_prefill, decode_s=t_decode, num_pages=ecfg.num_pages,
-                     slots=S, attention_impl=engine.ecfg.attention_impl,
+                     slots=B, attention_impl=engine.ecfg.attention_impl,
                      attention_fallback=engine.fallback,
                      sampling_impl=engine.ecfg.sampling_impl,
                      pages_allocated=engine.pool.allocated_total,

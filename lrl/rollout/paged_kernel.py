@@ -1,29 +1,30 @@
 """Our Pallas (Triton) decode-attention kernel over the paged KV pool, for grouped queries.
 
 A program streams one row's pages block by block with an online softmax, for the query heads
-of J kv heads (`kv_per_program`) over one kv split. What it does that jax's Pallas GPU paged
+of Kp kv heads (`kv_per_program`) over one kv split. What it does that jax's Pallas GPU paged
 attention (`jax.experimental.pallas.ops.gpu.paged_attention`, deprecated in jax 0.11) does
 not:
-- q enters as the model makes it, [B, N, H], unpadded and unscaled. A program reads its J·G
-  rows into a 16-row tile by index, and rows past J·G repeat the last one. jax's kernel wants
+- q enters as the model makes it, [B, N, H], unpadded and unscaled. A program reads its Kp·Q
+  rows into a 16-row tile by index, and rows past Kp·Q repeat the last one. jax's kernel wants
   q padded to 16 heads per kv head, and the pad plus the scale was an XLA fusion per layer
-  (0.09 ms of a 4.25 ms decode step at 256 slots on the H200). The repeated rows compute the
-  same output as the row they repeat and are stored to the same address.
-- with J > 1 the query heads of several kv heads share the tile (Qwen2.5-1.5B: 2 × 6 rows of
+  (BENCHMARKS.md, "Measurements once quoted in the code"). The repeated rows compute the same
+  output as the row they repeat and are stored to the same address.
+- with Kp > 1 the query heads of several kv heads share the tile (Qwen2.5-1.5B: 2 × 6 rows of
   16, where jax's kernel pads each 6 to 16) and one softmax pass.
 - with one kv split, the program writes the normalised output in the model's dtype. jax's
   kernel returns per-split partial sums, which XLA rescales, sums and divides: several more
   small ops per layer.
 - the layer's base page index enters as an operand. There is no XLA add of it into the
-  [B, M] page table at every layer.
+  [B, Y] page table at every layer.
 
 `fused_decode_attention` starts one step earlier, from the joined qkv projection: it also adds
 the bias, applies Qwen3's q/k norm and RoPE and writes the new token's key and value, which
 XLA otherwise does in three fusions a layer. It is correct on the H200 but slower there (see
 EngineConfig.fused_decode), so it is off by default.
 
-B rows · N query heads · K kv heads · G query heads per kv head · H head dim ·
-M pages per row · S keys of a block · X kv splits · R rows of the q tile.
+B batch rows · N query heads · K key/value heads · Q query heads per kv head · H head dim ·
+J joined projections (the N + 2K heads of qkv) · Y pages per slot · S key/value positions (of
+one block) · X kv splits · Z rows of the q tile. Kp, a count, is the kv heads of one program.
 """
 from __future__ import annotations
 
@@ -48,151 +49,151 @@ def kv_heads_per_program(n_heads: int, n_kv_heads: int, requested: int = 0) -> i
     8 for 8 heads without GQA."""
     if requested:
         return requested
-    G = n_heads // n_kv_heads
-    J = max(1, 16 // G)
-    while n_kv_heads % J:
-        J -= 1
-    return J
+    Q = n_heads // n_kv_heads
+    Kp = max(1, 16 // Q)
+    while n_kv_heads % Kp:
+        Kp -= 1
+    return Kp
 
 
-def _rows(g, G: int, J: int):
-    """A program's q tile: its rows' query heads (rows past J*G repeat the last real one) and
-    which of the program's J kv heads each row belongs to."""
-    R = _tile_rows(J * G)
-    local_R = jnp.minimum(jnp.arange(R), J * G - 1)
-    return R, g * J * G + local_R, (local_R // G)[:, None]
+def _rows(g, Q: int, Kp: int):
+    """A program's q tile: its rows' query heads (rows past Kp*Q repeat the last real one) and
+    which of the program's Kp kv heads each row belongs to."""
+    Z = _tile_rows(Kp * Q)
+    local_Z = jnp.minimum(jnp.arange(Z), Kp * Q - 1)
+    return Z, g * Kp * Q + local_Z, (local_Z // Q)[:, None]
 
 
-def _attend_pages(scores, values, table_ref, length, base, x, R: int, H: int, page_size: int,
+def _attend_pages(scores, values, table_ref, length, base, x, Z: int, H: int, page_size: int,
                   pages_per_block: int, pages_per_split: int):
     """Online softmax over the blocks of split x's pages that hold the row's first `length`
-    tokens: scores(pages) -> [R, S] f32, values(pages, p_RS) -> [R, H] f32. -> (o, m, l)."""
+    tokens: scores(pages) -> [Z, S] f32, values(pages, p_ZS) -> [Z, H] f32. -> (o, m, l)."""
     block = pages_per_block * page_size
     first_page = x * pages_per_split
     last_page = jnp.minimum(pl.cdiv(length, page_size), first_page + pages_per_split)
     n_blocks = pl.cdiv(jnp.maximum(last_page - first_page, 0), pages_per_block)
 
     def body(i, carry):
-        o_RH, m_R, l_R = carry
+        o_ZH, m_Z, l_Z = carry
         page0 = first_page + i * pages_per_block
         pages = table_ref[pl.ds(page0, pages_per_block)] + base
         visible_S = page0 * page_size + jnp.arange(block) < length
-        s_RS = jnp.where(visible_S[None, :], scores(pages), _MASK)
-        m_new = jnp.maximum(m_R, s_RS.max(axis=-1))
-        correction = jnp.exp(m_R - m_new)
-        p_RS = jnp.exp(s_RS - m_new[:, None])
-        return (o_RH * correction[:, None] + values(pages, p_RS), m_new,
-                l_R * correction + p_RS.sum(axis=-1))
+        s_ZS = jnp.where(visible_S[None, :], scores(pages), _MASK)
+        m_new = jnp.maximum(m_Z, s_ZS.max(axis=-1))
+        correction = jnp.exp(m_Z - m_new)
+        p_ZS = jnp.exp(s_ZS - m_new[:, None])
+        return (o_ZH * correction[:, None] + values(pages, p_ZS), m_new,
+                l_Z * correction + p_ZS.sum(axis=-1))
 
-    init = (jnp.zeros((R, H), jnp.float32), jnp.full((R,), _MASK, jnp.float32),
-            jnp.zeros((R,), jnp.float32))
+    init = (jnp.zeros((Z, H), jnp.float32), jnp.full((Z,), _MASK, jnp.float32),
+            jnp.zeros((Z,), jnp.float32))
     return jax.lax.fori_loop(0, n_blocks, body, init)
 
 
-def _store(out_refs, rows_R, o_RH, m_R, l_R, split: bool):
+def _store(out_refs, rows_Z, o_ZH, m_Z, l_Z, split: bool):
     """Partial sums of one split, or the normalised output (zeros for a row with no key)."""
     if split:
         o_ref, m_ref, l_ref = out_refs
-        o_ref[rows_R, :] = o_RH
-        m_ref[rows_R] = m_R
-        l_ref[rows_R] = l_R
+        o_ref[rows_Z, :] = o_ZH
+        m_ref[rows_Z] = m_Z
+        l_ref[rows_Z] = l_Z
     else:
         (o_ref,) = out_refs
-        o_ref[rows_R, :] = (o_RH / jnp.where(l_R > 0, l_R, 1.0)[:, None]).astype(o_ref.dtype)
+        o_ref[rows_Z, :] = (o_ZH / jnp.where(l_Z > 0, l_Z, 1.0)[:, None]).astype(o_ref.dtype)
 
 
-def _kernel(base_ref, len_ref, table_ref, q_ref, *refs, G: int, J: int,
+def _kernel(base_ref, len_ref, table_ref, q_ref, *refs, Q: int, Kp: int,
             pages_per_block: int, pages_per_split: int, scale: float, split: bool):
-    """Program (b, g, x): row b, kv heads g*J .. g*J+J-1, split x. Its J*G query rows share one
-    tile; row r's scores sum J dots, each with the q rows of one kv head kept and the others
+    """Program (b, g, x): row b, kv heads g*Kp .. g*Kp+Kp-1, split x. Its Kp*Q query rows share
+    one tile; row r's scores sum Kp dots, each with the q rows of one kv head kept and the others
     zeroed, so every row sees only its own head's keys; its output row is taken from its own
     head's p @ V."""
-    k_refs, v_refs, out_refs = refs[:J], refs[J:2 * J], refs[2 * J:]
+    k_refs, v_refs, out_refs = refs[:Kp], refs[Kp:2 * Kp], refs[2 * Kp:]
     b, g, x = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    R, rows_R, head_R1 = _rows(g, G, J)
-    q_RH = (q_ref[rows_R, :].astype(jnp.float32) * scale).astype(k_refs[0].dtype)
-    q_by_head = [jnp.where(head_R1 == j, q_RH, jnp.zeros_like(q_RH)) if J > 1 else q_RH
-                 for j in range(J)]
+    Z, rows_Z, head_Z1 = _rows(g, Q, Kp)
+    q_ZH = (q_ref[rows_Z, :].astype(jnp.float32) * scale).astype(k_refs[0].dtype)
+    q_by_head = [jnp.where(head_Z1 == j, q_ZH, jnp.zeros_like(q_ZH)) if Kp > 1 else q_ZH
+                 for j in range(Kp)]
     page_size, H = k_refs[0].shape[-2], k_refs[0].shape[-1]
     block = pages_per_block * page_size
 
     def scores(pages):
         return sum(plgpu.dot(q_by_head[j], k_refs[j][pages].reshape(block, H), trans_b=True)
-                   for j in range(J))
+                   for j in range(Kp))
 
-    def values(pages, p_RS):
-        p_lo = p_RS.astype(v_refs[0].dtype)
-        pv_RH = plgpu.dot(p_lo, v_refs[0][pages].reshape(block, H))
-        for j in range(1, J):
-            pv_RH = jnp.where(head_R1 == j, plgpu.dot(p_lo, v_refs[j][pages].reshape(block, H)),
-                              pv_RH)
-        return pv_RH
+    def values(pages, p_ZS):
+        p_lo = p_ZS.astype(v_refs[0].dtype)
+        pv_ZH = plgpu.dot(p_lo, v_refs[0][pages].reshape(block, H))
+        for j in range(1, Kp):
+            pv_ZH = jnp.where(head_Z1 == j, plgpu.dot(p_lo, v_refs[j][pages].reshape(block, H)),
+                              pv_ZH)
+        return pv_ZH
 
-    o_RH, m_R, l_R = _attend_pages(scores, values, table_ref, len_ref[b], base_ref[0], x, R, H,
+    o_ZH, m_Z, l_Z = _attend_pages(scores, values, table_ref, len_ref[b], base_ref[0], x, Z, H,
                                    page_size, pages_per_block, pages_per_split)
-    _store(out_refs, rows_R, o_RH, m_R, l_R, split)
+    _store(out_refs, rows_Z, o_ZH, m_Z, l_Z, split)
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_block", "k_splits", "warps", "stages",
                                              "kv_per_program", "interpret"))
-def paged_decode_attention(q_BNH, k_pages, v_pages, table_BM, kv_len_B, layer_base, *,
+def paged_decode_attention(q_BNH, k_pages, v_pages, table_BY, kv_len_B, layer_base, *,
                            pages_per_block: int = 2, k_splits: int = 1, warps: int = 4,
                            stages: int = 1, kv_per_program: int = 1, interpret: bool = False):
     """One query per row over its first `kv_len_B` cached tokens -> [B, N, H] in q's dtype.
 
-    k_pages, v_pages: [K, L * P, page_size, H]; table_BM holds each row's pages of layer 0,
-    `layer_base` (int or int32 scalar) is added to them. `k_splits` splits each row's pages
+    k_pages, v_pages: [K, L * num_pages, page_size, H]; table_BY holds each row's pages of
+    layer 0, `layer_base` (int or int32 scalar) is added to them. `k_splits` splits each row's pages
     over that many programs (a few long rows still fill the GPU); their partial results are
     combined here. `kv_per_program` kv heads share one program (0: `kv_heads_per_program`), so
     their query heads share one 16-row tile and one softmax pass instead of each padding its
     own."""
     B, N, H = q_BNH.shape
-    K, LP, page_size, Hk = k_pages.shape
-    M = table_BM.shape[1]
+    K, pool_pages, page_size, Hk = k_pages.shape
+    Y = table_BY.shape[1]
     if Hk != H or N % K:
         raise ValueError(f"q [B, N={N}, H={H}] does not fit pages [K={K}, ..., H={Hk}]")
-    G = N // K
-    J = _check_launch(N, K, H, page_size, M, pages_per_block, k_splits, kv_per_program,
-                      interpret)
+    Q = N // K
+    Kp = _check_launch(N, K, H, page_size, Y, pages_per_block, k_splits, kv_per_program,
+                       interpret)
     split = k_splits > 1
-    kernel = functools.partial(_kernel, G=G, J=J, pages_per_block=pages_per_block,
-                               pages_per_split=M // k_splits, scale=1.0 / H ** 0.5, split=split)
-    head = lambda j: pl.BlockSpec((None, LP, page_size, H),  # noqa: E731
-                                  lambda b, g, x: (g * J + j, 0, 0, 0))
+    kernel = functools.partial(_kernel, Q=Q, Kp=Kp, pages_per_block=pages_per_block,
+                               pages_per_split=Y // k_splits, scale=1.0 / H ** 0.5, split=split)
+    head = lambda j: pl.BlockSpec((None, pool_pages, page_size, H),  # noqa: E731
+                                  lambda b, g, x: (g * Kp + j, 0, 0, 0))
     whole = lambda shape: pl.BlockSpec(shape, lambda b, g, x: (0,) * len(shape))  # noqa: E731
     in_specs = [whole((1,)), whole((B,)),
-                pl.BlockSpec((None, M), lambda b, g, x: (b, 0)),
+                pl.BlockSpec((None, Y), lambda b, g, x: (b, 0)),
                 pl.BlockSpec((None, N, H), lambda b, g, x: (b, 0, 0)),
-                *(head(j) for j in range(J)), *(head(j) for j in range(J))]
+                *(head(j) for j in range(Kp)), *(head(j) for j in range(Kp))]
     out_shape, out_specs = _attention_outputs(B, N, H, k_splits, q_BNH.dtype)
     outs = pl.pallas_call(
-        kernel, grid=(B, K // J, k_splits), in_specs=in_specs, out_specs=out_specs,
+        kernel, grid=(B, K // Kp, k_splits), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         name=f"lrl_paged_decode_{pages_per_block}x{page_size}",
     )(jnp.asarray(layer_base, jnp.int32).reshape(1), kv_len_B.astype(jnp.int32),
-      table_BM.astype(jnp.int32), q_BNH, *(k_pages,) * J, *(v_pages,) * J)
+      table_BY.astype(jnp.int32), q_BNH, *(k_pages,) * Kp, *(v_pages,) * Kp)
     if not split:
         return outs[0]
     return _combine_splits(*outs, q_BNH.dtype)
 
 
-def _check_launch(N: int, K: int, H: int, page_size: int, M: int, pages_per_block: int,
+def _check_launch(N: int, K: int, H: int, page_size: int, Y: int, pages_per_block: int,
                   k_splits: int, kv_per_program: int, interpret: bool) -> int:
-    """Checks a decode kernel's launch settings against the shapes -> J, kv heads a program."""
+    """Checks a decode kernel's launch settings against the shapes -> Kp, kv heads a program."""
     for name, v in (("pages_per_block", pages_per_block), ("head dim", H)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two, got {v}")
     if pages_per_block * page_size < 16 and not interpret:   # the interpreter has no such floor
         raise ValueError(f"a block of {pages_per_block} pages x {page_size} tokens is under "
                          "the 16 tokens Triton's dot needs")
-    if M % (k_splits * pages_per_block):
-        raise ValueError(f"pages per row {M} must be a multiple of k_splits * pages_per_block "
+    if Y % (k_splits * pages_per_block):
+        raise ValueError(f"pages per row {Y} must be a multiple of k_splits * pages_per_block "
                          f"= {k_splits} * {pages_per_block}")
-    J = kv_heads_per_program(N, K, kv_per_program)
-    if K % J:
-        raise ValueError(f"kv_per_program {J} does not divide the {K} kv heads")
-    return J
+    Kp = kv_heads_per_program(N, K, kv_per_program)
+    if K % Kp:
+        raise ValueError(f"kv_per_program {Kp} does not divide the {K} kv heads")
+    return Kp
 
 
 def _attention_outputs(B: int, N: int, H: int, k_splits: int, dtype):
@@ -217,7 +218,7 @@ def _combine_splits(o_XBNH, m_XBN, l_XBN, dtype):
     return o_BNH.astype(dtype)
 
 
-def _fused_kernel(base_ref, len_ref, table_ref, y_ref, *refs, G: int, J: int, N: int, K: int,
+def _fused_kernel(base_ref, len_ref, table_ref, y_ref, *refs, Q: int, Kp: int, N: int, K: int,
                   pages_per_block: int, pages_per_split: int, scale: float, split: bool,
                   k_splits: int, has_bias: bool, has_norm: bool, eps: float):
     """`_kernel` that starts from the qkv projection's output instead of rotated q. Program
@@ -231,7 +232,7 @@ def _fused_kernel(base_ref, len_ref, table_ref, y_ref, *refs, G: int, J: int, N:
     cos_ref, sin_ref, wpage_ref, woff_ref, k_ref, v_ref, *out_refs = it
     out_refs, kout_ref, vout_ref = out_refs[:-2], out_refs[-2], out_refs[-1]
     b, g, x = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    R, rows_R, head_R1 = _rows(g, G, J)
+    Z, rows_Z, head_Z1 = _rows(g, Q, Kp)
     page_size, H = k_ref.shape[-2], k_ref.shape[-1]
     H2, block = H // 2, pages_per_block * page_size
     lo, hi = pl.ds(0, H2), pl.ds(H2, H2)
@@ -252,10 +253,10 @@ def _fused_kernel(base_ref, len_ref, table_ref, y_ref, *refs, G: int, J: int, N:
             a, c = a.astype(dt).astype(f32), c.astype(dt).astype(f32)
         return (a * cos - c * sin).astype(dt), (c * cos + a * sin).astype(dt)
 
-    q_halves = [(h.astype(f32) * scale).astype(pool_dt) for h in rotated(rows_R, qn_ref)]
-    q_by_head = [[jnp.where(head_R1 == j, h, jnp.zeros_like(h)) if J > 1 else h
-                  for h in q_halves] for j in range(J)]
-    heads = [g * J + j for j in range(J)]
+    q_halves = [(h.astype(f32) * scale).astype(pool_dt) for h in rotated(rows_Z, qn_ref)]
+    q_by_head = [[jnp.where(head_Z1 == j, h, jnp.zeros_like(h)) if Kp > 1 else h
+                  for h in q_halves] for j in range(Kp)]
+    heads = [g * Kp + j for j in range(Kp)]
     new_k = [[h.astype(pool_dt) for h in rotated(N + hj, kn_ref)] for hj in heads]
     new_v = []
     for hj in heads:
@@ -269,33 +270,33 @@ def _fused_kernel(base_ref, len_ref, table_ref, y_ref, *refs, G: int, J: int, N:
                                trans_b=True)
                    for j, hj in enumerate(heads))
 
-    def values(pages, p_RS):
-        p_lo = p_RS.astype(pool_dt)
-        pv_RH = plgpu.dot(p_lo, v_ref[heads[0], pages].reshape(block, H))
-        for j in range(1, J):
-            pv_RH = jnp.where(head_R1 == j, plgpu.dot(p_lo, v_ref[heads[j], pages]
-                                                      .reshape(block, H)), pv_RH)
-        return pv_RH
+    def values(pages, p_ZS):
+        p_lo = p_ZS.astype(pool_dt)
+        pv_ZH = plgpu.dot(p_lo, v_ref[heads[0], pages].reshape(block, H))
+        for j in range(1, Kp):
+            pv_ZH = jnp.where(head_Z1 == j, plgpu.dot(p_lo, v_ref[heads[j], pages]
+                                                      .reshape(block, H)), pv_ZH)
+        return pv_ZH
 
     length = len_ref[b]                       # cached tokens plus the new one; 0: idle slot
     base = base_ref[0]
-    o_RH, m_R, l_R = _attend_pages(scores, values, table_ref, jnp.maximum(length - 1, 0), base,
-                                   x, R, H, page_size, pages_per_block, pages_per_split)
+    o_ZH, m_Z, l_Z = _attend_pages(scores, values, table_ref, jnp.maximum(length - 1, 0), base,
+                                   x, Z, H, page_size, pages_per_block, pages_per_split)
     # The new token, in the last split only: its score against every q row, then one more
     # online-softmax step.
     take = (length > 0) & (x == k_splits - 1)
-    s_R = sum((q_by_head[j][0].astype(f32) * new_k[j][0].astype(f32)[None, :]).sum(-1)
+    s_Z = sum((q_by_head[j][0].astype(f32) * new_k[j][0].astype(f32)[None, :]).sum(-1)
               + (q_by_head[j][1].astype(f32) * new_k[j][1].astype(f32)[None, :]).sum(-1)
-              for j in range(J))
-    s_R = jnp.where(take, s_R, _MASK)
-    m_new = jnp.maximum(m_R, s_R)
-    correction = jnp.exp(m_R - m_new)
-    p_R = jnp.where(take, jnp.exp(s_R - m_new), 0.0)
-    v_RH = jnp.broadcast_to(new_v[0].astype(f32)[None, :], (R, H))
-    for j in range(1, J):
-        v_RH = jnp.where(head_R1 == j, new_v[j].astype(f32)[None, :], v_RH)
-    o_RH = o_RH * correction[:, None] + p_R[:, None] * v_RH
-    _store(out_refs, rows_R, o_RH, m_new, l_R * correction + p_R, split)
+              for j in range(Kp))
+    s_Z = jnp.where(take, s_Z, _MASK)
+    m_new = jnp.maximum(m_Z, s_Z)
+    correction = jnp.exp(m_Z - m_new)
+    p_Z = jnp.where(take, jnp.exp(s_Z - m_new), 0.0)
+    v_ZH = jnp.broadcast_to(new_v[0].astype(f32)[None, :], (Z, H))
+    for j in range(1, Kp):
+        v_ZH = jnp.where(head_Z1 == j, new_v[j].astype(f32)[None, :], v_ZH)
+    o_ZH = o_ZH * correction[:, None] + p_Z[:, None] * v_ZH
+    _store(out_refs, rows_Z, o_ZH, m_new, l_Z * correction + p_Z, split)
 
     def write():
         page, offset = wpage_ref[b] + base, woff_ref[b]
@@ -311,45 +312,45 @@ def _fused_kernel(base_ref, len_ref, table_ref, y_ref, *refs, G: int, J: int, N:
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "eps", "pages_per_block", "k_splits",
                                              "warps", "stages", "kv_per_program", "interpret"))
-def fused_decode_attention(y_BXH, bias_XH, q_norm_H, k_norm_H, cos_BH2, sin_BH2, k_pages,
-                           v_pages, table_BM, kv_len_B, write_page_B, write_offset_B,
+def fused_decode_attention(y_BJH, bias_JH, q_norm_H, k_norm_H, cos_BH2, sin_BH2, k_pages,
+                           v_pages, table_BY, kv_len_B, write_page_B, write_offset_B,
                            layer_base, *, n_heads: int, eps: float, pages_per_block: int = 4,
                            k_splits: int = 1, warps: int = 4, stages: int = 1,
                            kv_per_program: int = 1, interpret: bool = False):
     """One decode step's attention from the qkv projection: -> (out [B, N, H], k_pages,
     v_pages with the new token's key and value written).
 
-    y_BXH is the joined q/k/v projection [B, N + 2K, H] before its bias (`bias_XH` or None);
+    y_BJH is the joined q/k/v projection [B, N + 2K, H] before its bias (`bias_JH` or None);
     `q_norm_H` / `k_norm_H` are Qwen3's per-head RMSNorm scales (or None); cos/sin [B, H/2]
     are the rows' RoPE angles (`rope_angles`, one half: the halves are equal). `kv_len_B`
     counts the cached tokens plus the new one (0: an idle row, which gets zeros);
     `write_page_B` / `write_offset_B` place the new token (pages of layer 0, `layer_base`
     added). What Block.rotate, `write_kv` and `paged_decode_attention` do in three XLA
     fusions and a kernel, here in the kernel: one launch a layer instead of four."""
-    B, X, H = y_BXH.shape
-    K, LP, page_size, Hk = k_pages.shape
+    B, J, H = y_BJH.shape
+    K, pool_pages, page_size, Hk = k_pages.shape
     N = n_heads
-    M = table_BM.shape[1]
-    if Hk != H or X != N + 2 * K or N % K:
-        raise ValueError(f"qkv [B, X={X}, H={H}] does not fit {N} query heads and pages "
+    Y = table_BY.shape[1]
+    if Hk != H or J != N + 2 * K or N % K:
+        raise ValueError(f"qkv [B, J={J}, H={H}] does not fit {N} query heads and pages "
                          f"[K={K}, ..., H={Hk}]")
     if (q_norm_H is None) != (k_norm_H is None):
         raise ValueError("fused_decode_attention: give both q and k norm scales or neither")
-    G = N // K
-    J = _check_launch(N, K, H, page_size, M, pages_per_block, k_splits, kv_per_program,
-                      interpret)
+    Q = N // K
+    Kp = _check_launch(N, K, H, page_size, Y, pages_per_block, k_splits, kv_per_program,
+                       interpret)
     split = k_splits > 1
-    has_bias, has_norm = bias_XH is not None, q_norm_H is not None
+    has_bias, has_norm = bias_JH is not None, q_norm_H is not None
     kernel = functools.partial(
-        _fused_kernel, G=G, J=J, N=N, K=K, pages_per_block=pages_per_block,
-        pages_per_split=M // k_splits, scale=1.0 / H ** 0.5, split=split, k_splits=k_splits,
+        _fused_kernel, Q=Q, Kp=Kp, N=N, K=K, pages_per_block=pages_per_block,
+        pages_per_split=Y // k_splits, scale=1.0 / H ** 0.5, split=split, k_splits=k_splits,
         has_bias=has_bias, has_norm=has_norm, eps=float(eps))
     whole = lambda shape: pl.BlockSpec(shape, lambda b, g, x: (0,) * len(shape))  # noqa: E731
     row = lambda shape: pl.BlockSpec((None, *shape), lambda b, g, x: (b,) + (0,) * len(shape))  # noqa: E731,E501
     operands = [jnp.asarray(layer_base, jnp.int32).reshape(1), kv_len_B.astype(jnp.int32),
-                table_BM.astype(jnp.int32), y_BXH]
-    in_specs = [whole((1,)), whole((B,)), row((M,)), row((X, H))]
-    extra = ([bias_XH] if has_bias else []) + ([q_norm_H, k_norm_H] if has_norm else [])
+                table_BY.astype(jnp.int32), y_BJH]
+    in_specs = [whole((1,)), whole((B,)), row((Y,)), row((J, H))]
+    extra = ([bias_JH] if has_bias else []) + ([q_norm_H, k_norm_H] if has_norm else [])
     operands += extra
     in_specs += [whole(a.shape) for a in extra]
     operands += [cos_BH2.astype(jnp.float32), sin_BH2.astype(jnp.float32),
@@ -357,13 +358,13 @@ def fused_decode_attention(y_BXH, bias_XH, q_norm_H, k_norm_H, cos_BH2, sin_BH2,
                  k_pages, v_pages]
     in_specs += [row((H // 2,)), row((H // 2,)), whole((B,)), whole((B,)),
                  whole(k_pages.shape), whole(v_pages.shape)]
-    out_shape, out_specs = _attention_outputs(B, N, H, k_splits, y_BXH.dtype)
+    out_shape, out_specs = _attention_outputs(B, N, H, k_splits, y_BJH.dtype)
     n_out = len(out_shape)
     out_shape += [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)]
     out_specs += [whole(k_pages.shape), whole(v_pages.shape)]
     outs = pl.pallas_call(
-        kernel, grid=(B, K // J, k_splits), in_specs=in_specs, out_specs=out_specs,
+        kernel, grid=(B, K // Kp, k_splits), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret,
         input_output_aliases={len(operands) - 2: n_out, len(operands) - 1: n_out + 1},
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
@@ -372,4 +373,4 @@ def fused_decode_attention(y_BXH, bias_XH, q_norm_H, k_norm_H, cos_BH2, sin_BH2,
     k_pages, v_pages = outs[n_out], outs[n_out + 1]
     if not split:
         return outs[0], k_pages, v_pages
-    return _combine_splits(*outs[:3], y_BXH.dtype), k_pages, v_pages
+    return _combine_splits(*outs[:3], y_BJH.dtype), k_pages, v_pages

@@ -5,7 +5,7 @@ The device holds the pages themselves (`lrl.rollout.steps.DecodeState`); this mo
 decides which page ids are in use. Page 0 is the null page: it is never handed out, idle slots
 and padding tokens write into it, and every unused page-table entry points at it.
 
-L layers · K kv heads · H head dim.
+B batch rows · T query positions · Y pages per slot.
 """
 from __future__ import annotations
 
@@ -130,11 +130,11 @@ def num_pages_for_memory(cfg: ModelConfig, page_size: int, fraction: float, devi
     return pages
 
 
-def page_of(table_BM, pos_BT, valid_BT, page_size):
+def page_of(table_BY, pos_BT, valid_BT, page_size):
     """(page, offset) of each token position in its row's page table; invalid tokens and
     positions past the table go to the null page (written there, never read)."""
-    M = table_BM.shape[1]
-    idx = jnp.clip(pos_BT // page_size, 0, M - 1)
-    page = jnp.take_along_axis(table_BM, idx, axis=1)
-    valid_BT = valid_BT & (pos_BT // page_size < M)
+    Y = table_BY.shape[1]
+    idx = jnp.clip(pos_BT // page_size, 0, Y - 1)
+    page = jnp.take_along_axis(table_BY, idx, axis=1)
+    valid_BT = valid_BT & (pos_BT // page_size < Y)
     return jnp.where(valid_BT, page, NULL_PAGE), pos_BT % page_size

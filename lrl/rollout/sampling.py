@@ -7,7 +7,8 @@ temperature, restricted to the top-k and then the top-p set and renormalised. Gr
 run's seed, the sample's id and the step, so a sample does not change with the slot it runs in
 or with what else is in the batch.
 
-B batch rows (decode slots) · V vocabulary.
+B batch rows (the engine's slots) · V vocabulary (also the tokens of one block) · U vocabulary
+blocks.
 """
 from __future__ import annotations
 
@@ -82,15 +83,15 @@ def draw(x_BV, keys_B, block: int = 0, stats=None):
     inverse CDF over two levels: one uniform per row picks a block of tokens by the blocks'
     cumulative mass, then a token inside it. It reads the [B, V] logits twice (max, then
     per-block sums of exp), or once for the chosen blocks given their `stats` (see
-    `invert_cdf`), where jax.random.categorical draws V Gumbel variables a row: at 256 rows
-    of 151,936 that was 0.27 ms of a 4.3 ms decode step on the H200.
+    `invert_cdf`), where jax.random.categorical draws V Gumbel variables a row, which cost
+    the decode step more (BENCHMARKS.md, "Measurements once quoted in the code").
     Tokens at -inf (filtered out) have no mass and are never drawn."""
     return invert_cdf(x_BV, jax.vmap(jax.random.uniform)(keys_B), block, stats)
 
 
 def invert_cdf(x_BV, u_B, block: int = 0, stats=None):
     """`draw` for given uniforms u in [0, 1): the token where u * (total mass) falls.
-    `stats`: the blocks' (max, sum of exp against it) of x, [B, X] each, when a kernel has
+    `stats`: the blocks' (max, sum of exp against it) of x, [B, U] each, when a kernel has
     already taken them (`sample_kernel.block_stats`); x is then read only for the chosen
     block of each row."""
     B, V = x_BV.shape
@@ -100,28 +101,29 @@ def invert_cdf(x_BV, u_B, block: int = 0, stats=None):
                                              constant_values=-jnp.inf)
     if stats is None:
         m_B1 = x.max(axis=-1, keepdims=True)
-        mass_BX = jnp.exp(x - m_B1).reshape(B, nb, block).sum(axis=-1)
+        mass_BU = jnp.exp(x - m_B1).reshape(B, nb, block).sum(axis=-1)
     else:   # each block's max and sum of exp against it, put on the row's max here
-        m_BX, s_BX = stats
-        m_B1 = m_BX.max(axis=-1, keepdims=True)
-        mass_BX = s_BX * jnp.exp(m_BX - m_B1)
-    cum_BX = jnp.cumsum(mass_BX, axis=-1)
-    u_B1 = u_B[:, None] * cum_BX[:, -1:]
+        m_BU, s_BU = stats
+        m_B1 = m_BU.max(axis=-1, keepdims=True)
+        mass_BU = s_BU * jnp.exp(m_BU - m_B1)
+    cum_BU = jnp.cumsum(mass_BU, axis=-1)
+    u_B1 = u_B[:, None] * cum_BU[:, -1:]
     # The counts below land on a token with mass except at the edges, where rounding can put
     # u at the very top, or a block's first cumulative sum a rounding above u: clip there to
     # the first and last blocks and tokens that have mass.
-    last_block_B = nb - 1 - jnp.argmax(jnp.flip(mass_BX > 0, axis=-1), axis=-1)
-    j_B = jnp.minimum(jnp.sum(cum_BX <= u_B1, axis=-1), last_block_B)
-    before_B1 = jnp.take_along_axis(cum_BX - mass_BX, j_B[:, None], axis=-1)
-    xb_BK = jnp.take_along_axis(x.reshape(B, nb, block), j_B[:, None, None], axis=1)[:, 0]
-    e_BK = jnp.exp(xb_BK - m_B1)
-    first_B = jnp.argmax(e_BK > 0, axis=-1)
-    last_B = block - 1 - jnp.argmax(jnp.flip(e_BK > 0, axis=-1), axis=-1)
-    i_B = jnp.clip(jnp.sum(before_B1 + jnp.cumsum(e_BK, axis=-1) <= u_B1, axis=-1),
+    last_block_B = nb - 1 - jnp.argmax(jnp.flip(mass_BU > 0, axis=-1), axis=-1)
+    j_B = jnp.minimum(jnp.sum(cum_BU <= u_B1, axis=-1), last_block_B)
+    before_B1 = jnp.take_along_axis(cum_BU - mass_BU, j_B[:, None], axis=-1)
+    # xb: the logits of each row's chosen block, [B, block] (V here: one block of it)
+    xb_BV = jnp.take_along_axis(x.reshape(B, nb, block), j_B[:, None, None], axis=1)[:, 0]
+    e_BV = jnp.exp(xb_BV - m_B1)
+    first_B = jnp.argmax(e_BV > 0, axis=-1)
+    last_B = block - 1 - jnp.argmax(jnp.flip(e_BV > 0, axis=-1), axis=-1)
+    i_B = jnp.clip(jnp.sum(before_B1 + jnp.cumsum(e_BV, axis=-1) <= u_B1, axis=-1),
                    first_B, last_B)
     tokens_B = (j_B * block + i_B).astype(jnp.int32)
-    lse_B = m_B1[:, 0] + jnp.log(cum_BX[:, -1])
-    logp_B = jnp.take_along_axis(xb_BK, i_B[:, None], axis=-1)[:, 0] - lse_B
+    lse_B = m_B1[:, 0] + jnp.log(cum_BU[:, -1])
+    logp_B = jnp.take_along_axis(xb_BV, i_B[:, None], axis=-1)[:, 0] - lse_B
     return tokens_B, logp_B
 
 

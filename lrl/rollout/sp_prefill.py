@@ -22,8 +22,7 @@ them) and write into the null page.
     prefill = sp_prefill.make_prefill(mesh)        # fn(engine, params, state, prefixes)
     state = prefill(engine, params, state, [engine.reserve_prefix(ids, embeds, pos)])
 
-B batch rows · T positions · D model width · K kv heads · H head dim · L layers ·
-M pages per slot.
+B batch rows · T query positions · D model width · Y pages per slot.
 """
 from __future__ import annotations
 
@@ -64,8 +63,8 @@ def bucket_length(n: int, unit: int, minimum: int = 16) -> int:
 
 
 def prefill_rows(cfg, mesh, page_size, pool_sharding, params, k_pages, v_pages, tokens_BT,
-                 n_valid_B, table_BM, embeds_BTD=None, positions_3BT=None):
-    """Writes the K/V of tokens [0, n_valid) of each row into its pages (`table_BM`), every
+                 n_valid_B, table_BY, embeds_BTD=None, positions_3BT=None):
+    """Writes the K/V of tokens [0, n_valid) of each row into its pages (`table_BY`), every
     layer computed with `cfg.attention` over the mesh's seq axis. Multimodal rows pass their
     input embeddings and M-RoPE positions; text rows use the token embeddings and the token
     index as rotary position. Returns the new (k_pages, v_pages), in `pool_sharding`.
@@ -73,7 +72,7 @@ def prefill_rows(cfg, mesh, page_size, pool_sharding, params, k_pages, v_pages, 
     B, T = tokens_BT.shape
     pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     valid_BT = pos_BT < n_valid_B[:, None]
-    page_BT, offset_BT = page_of(table_BM, pos_BT, valid_BT, page_size)
+    page_BT, offset_BT = page_of(table_BY, pos_BT, valid_BT, page_size)
     x = (jnp.take(params["embed"]["embedding"], tokens_BT, axis=0) if embeds_BTD is None
          else embeds_BTD).astype(cfg.dtype)
     rope = pos_BT if positions_3BT is None else positions_3BT

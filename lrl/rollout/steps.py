@@ -2,8 +2,9 @@
 jitted pure steps (prefill a chunk, decode steps, insert slots, deactivate) that
 `lrl.rollout.engine.Engine` drives from the host.
 
-B batch rows · T query positions · C chunk · S slots · D model width · V vocabulary ·
-N query heads · K kv heads · H head dim · L layers · M pages per slot.
+B batch rows (a decode step's rows are the engine's slots) · T query positions · C chunk ·
+D model width · F MLP width · V vocabulary · N query heads · K key/value heads · H head dim ·
+L layers · J joined projections · Y pages per slot.
 """
 from __future__ import annotations
 
@@ -30,26 +31,28 @@ from lrl.rollout.weights import is_decode_layout
 class EngineConfig:
     page_size: int = 16
     num_pages: int = 1024            # pool size per layer, null page included
-    max_slots: int = 8               # S: rows of every decode step
-    max_pages_per_slot: int = 64     # M before rounding up to the kernels' block multiple
+    max_slots: int = 8               # B: rows of every decode step
+    max_pages_per_slot: int = 64     # Y before rounding up to the kernels' block multiple
     prefill_chunk: int = 4096        # longest prefill call (power of two); longer prompts chunk
-    # Tokens of one prefill call of short prompts batched by length bucket. On the H200, 256
-    # prompts of 512 tokens prefilled in 0.586 s with 16,384 and 0.608 s with 4,096.
+    # Tokens of one prefill call of short prompts batched by length bucket: 256 prompts of 512
+    # tokens prefilled faster in calls of 16,384 tokens than of 4,096 (BENCHMARKS.md, "Fifth
+    # session", "Prefill: decode-layout weights and wider calls").
     prefill_batch_tokens: int = 16384
     min_prefill_bucket: int = 16     # shortest prefill call (power of two)
     eos_ids: tuple[int, ...] = ()    # tokens that end a sample (kept in its output)
     sampling: SamplingParams = SamplingParams()
     attention_impl: Optional[str] = None  # None: pallas_gqa on one GPU, else XLA
     # The sampler's pass over the logits: None follows attention_impl, "pallas" with a Pallas
-    # kernel ("pallas_interpret" with the interpreted one), else "xla". On the H200 at 256
-    # slots our kernel read the logits in 47.5 µs a step where XLA's two reductions took 81,
-    # and steps took 3.74-3.80 ms against 3.77-3.88 (BENCHMARKS.md).
+    # kernel ("pallas_interpret" with the interpreted one), else "xla". The kernel reads the
+    # logits once where XLA's two reductions read them twice, and decode steps ran faster with
+    # it (BENCHMARKS.md, "Eighth session").
     sampling_impl: Optional[str] = None
-    # Decode kernel launch, measured on the H200 at 256 slots x 640 tokens (Qwen2.5-1.5B
-    # shapes): a layer's attention took 52.2 µs in our kernel with 4 pages a block, 4 warps,
-    # 1 stage and one kv head a program; jax's kernel took 83.4 µs at its defaults (8 pages,
-    # 8 warps, 2 stages) and 59.8 µs at its best. Software pipelining hurts: one stage holds
-    # less shared memory, so more programs share an SM.
+    # Decode kernel launch: at 256 slots x 640 tokens (Qwen2.5-1.5B shapes) our kernel with 4
+    # pages a block, 4 warps, 1 stage and one kv head a program was the fastest setting, faster
+    # than jax's kernel at its defaults (8 pages, 8 warps, 2 stages) and at its best
+    # (BENCHMARKS.md, "Decode kernel, joined qkv, cuBLAS matmuls, sampler: fourth session").
+    # Software pipelining hurts: one stage holds less shared memory, so more programs share
+    # an SM.
     decode_block_pages: int = 4      # pages per compute block of decode attention
     prefill_block_pages: int = 64    # pages per block when a prefill chunk reads the pages
     pallas_k_splits: int = 4         # splits of the kv axis in the Pallas kernel
@@ -59,9 +62,9 @@ class EngineConfig:
     layer_unroll: int = 1            # unroll of the layer scan (fewer loop trips per step)
     # pallas_gqa with the decode layout's joined qkv: the kernel also adds the qkv bias,
     # applies q/k norm and RoPE and writes the new token's k and v (`fused_decode_attention`),
-    # one launch a layer instead of four. Off: on the H200 at 256 slots it ran 4.33-4.35 ms a
-    # step with 4 pages a block, 3.95 with 8 and 4.16-4.17 with 16, against 3.82-3.88 unfused
-    # (BENCHMARKS.md).
+    # one launch a layer instead of four. Off: its steps were slower than unfused ones at every
+    # block size tried, 8 pages a block the least slow (BENCHMARKS.md, "Sixth session", "A
+    # fused decode kernel").
     fused_decode: bool = False
 
     def __post_init__(self):
@@ -92,7 +95,7 @@ class EngineConfig:
 
     @property
     def pages_per_slot(self) -> int:
-        """M, rounded up so that both attention paths tile it exactly."""
+        """Y, rounded up so that both attention paths tile it exactly."""
         align = int(np.lcm(self.prefill_block_pages,
                            self.decode_block_pages * self.pallas_k_splits))
         return pages_for(self.max_pages_per_slot, align) * align
@@ -101,21 +104,21 @@ class EngineConfig:
 class DecodeState(NamedTuple):
     k_pages: jax.Array      # [K, L * num_pages, page_size, H]
     v_pages: jax.Array
-    page_table: jax.Array   # [S, M] int32, unused entries at the null page
-    lengths: jax.Array      # [S] int32: tokens in the cache (= position of `tokens`)
-    tokens: jax.Array       # [S] int32: the next token to feed
-    active: jax.Array       # [S] bool
-    remaining: jax.Array    # [S] int32: tokens still to sample
-    sample_ids: jax.Array   # [S] int32: who the slot samples for (key derivation)
-    steps: jax.Array        # [S] int32: tokens sampled so far (key derivation)
-    rope_delta: jax.Array   # [S] int32: rotary position minus cache index (M-RoPE prompts)
+    page_table: jax.Array   # [B, Y] int32, unused entries at the null page
+    lengths: jax.Array      # [B] int32: tokens in the cache (= position of `tokens`)
+    tokens: jax.Array       # [B] int32: the next token to feed
+    active: jax.Array       # [B] bool
+    remaining: jax.Array    # [B] int32: tokens still to sample
+    sample_ids: jax.Array   # [B] int32: who the slot samples for (key derivation)
+    steps: jax.Array        # [B] int32: tokens sampled so far (key derivation)
+    rope_delta: jax.Array   # [B] int32: rotary position minus cache index (M-RoPE prompts)
 
 
 class StepOutput(NamedTuple):
-    tokens: jax.Array       # [n, S] int32
-    logps: jax.Array        # [n, S] float32
-    valid: jax.Array        # [n, S] bool: the slot was live and sampled this token
-    active: jax.Array       # [S] bool: the slot is still live after the call's last step
+    tokens: jax.Array       # [n, B] int32
+    logps: jax.Array        # [n, B] float32
+    valid: jax.Array        # [n, B] bool: the slot was live and sampled this token
+    active: jax.Array       # [B] bool: the slot is still live after the call's last step
 
 
 # ----------------------------------------------------------------------------- device steps
@@ -131,7 +134,7 @@ def run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT,
     is unrolled, so no layer is sliced out of a stack inside the step. With a mesh (the
     sequence-parallel prefill), activations keep the training layout between layers and the
     pool keeps `pool_sharding`."""
-    P = k_pages.shape[1] // cfg.n_layers
+    num_pages = k_pages.shape[1] // cfg.n_layers
     block = Block(cfg, mesh)
 
     def body(carry, xs):
@@ -142,7 +145,7 @@ def run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT,
                                   method=_qkv_fused)
         else:
             q, k, v = block.apply({"params": layer_p}, x, pos_BT, method=Block.qkv)
-        base = layer * P
+        base = layer * num_pages
         kp, vp = pa.write_kv(kp, vp, k, v, page_BT + base, offset_BT)
         if pool_sharding is not None:
             kp = jax.lax.with_sharding_constraint(kp, pool_sharding)
@@ -165,17 +168,18 @@ def run_layers(cfg, params, x_BTD, pos_BT, k_pages, v_pages, page_BT, offset_BT,
     return x, k_pages, v_pages
 
 
-def _joined(h_BTD, kernel_DJX, bias_JX=None):
-    """One of the decode layout's joined projections, kernel [D, J, X] (bias [J, X])."""
-    y = jnp.einsum("btd,djx->btjx", h_BTD, kernel_DJX.astype(h_BTD.dtype))
-    return y if bias_JX is None else y + bias_JX.astype(h_BTD.dtype)
+def _joined(h_BTD, kernel, bias=None):
+    """One of the decode layout's joined projections: kernel [D, J, H] for qkv or [D, J, F]
+    for gate and up (bias [J, H] or [J, F]) -> [B, T, J, H] or [B, T, J, F]."""
+    y = jnp.einsum("btd,dj...->btj...", h_BTD, kernel.astype(h_BTD.dtype))
+    return y if bias is None else y + bias.astype(h_BTD.dtype)
 
 
 def _qkv_fused(block: Block, x_BTD, pos_BT, qkv):
-    """Block.qkv with the decode layout's one [D, N + 2K, H] projection weight. A bias is
-    added in fp32, in the fusions that rotate q and k and write k and v: added to the matmul,
-    it became cuBLAS's C operand, a [B, T, N + 2K, H] broadcast written by a kernel of its own
-    at every layer (1.6 µs of each layer's decode step at 256 slots on the H200)."""
+    """Block.qkv with the decode layout's one [D, J, H] projection weight (J = N + 2K). A bias
+    is added in fp32, in the fusions that rotate q and k and write k and v: added to the
+    matmul, it became cuBLAS's C operand, a [B, T, J, H] broadcast written by a kernel of its
+    own at every layer (BENCHMARKS.md, "Sixth session", "The qkv bias and the page writes")."""
     N, K = block.cfg.n_heads, block.cfg.n_kv_heads
     h = block.input_norm(x_BTD)
     y = _joined(h, qkv["kernel"])
@@ -186,28 +190,30 @@ def _qkv_fused(block: Block, x_BTD, pos_BT, qkv):
 
 
 def _finish_fused(block: Block, x_BTD, attn_BTNH, gate_up):
-    """Block.finish with the decode layout's one [D, 2, F] gate-and-up weight."""
+    """Block.finish with the decode layout's one [D, J, F] gate-and-up weight (J = 2)."""
     x = x_BTD + block.o_proj(attn_BTNH)
     gu = _joined(block.post_attn_norm(x), gate_up["kernel"], gate_up.get("bias"))
     return x + block.down_proj(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1])
 
 
 # cuBLAS for every matmul of prefill and decode: XLA's Triton gemm fusions (a matmul fused with
-# its bias, or joined with its neighbours) were slower at decode's 256-row matmuls. Measured on
-# the H200 at 256 slots: 4.40 ms a decode step without them, 4.71 with.
+# its bias, or joined with its neighbours) were slower at decode's 256-row matmuls
+# (BENCHMARKS.md, "Decode kernel, joined qkv, cuBLAS matmuls, sampler: fourth session", lease
+# 2; autotuned against cuBLAS, again slower: "Seventh session", "The levers").
 _GEMM_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 # The decode loop also runs as one CUDA graph: with WHILE and CONDITIONAL among the command
 # buffer types, the device evaluates the loop condition itself, so a step no longer waits for
 # the host to read it back and launch the next. That lets the host collect one decode call
-# while the next runs (`generate`). On the H200 at 256 slots, with that overlap: 3.90 ms a
-# step with these types, 4.06-4.15 without (the host waits on every step's condition).
+# while the next runs (`generate`). With that overlap, steps were faster with these types than
+# without, where the host waits on every step's condition (BENCHMARKS.md, "Sixth session",
+# "Overlap").
 _DECODE_OPTIONS = {**_GEMM_OPTIONS, "xla_gpu_enable_command_buffer":
                    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ecfg", "first"),
                    donate_argnames=("k_pages", "v_pages"), compiler_options=_GEMM_OPTIONS)
-def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_valid_B, table_BM,
+def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_valid_B, table_BY,
                   first: bool, embeds_BCD=None, rope_pos_3BC=None):
     """Writes the KV of tokens [start, start + n_valid) of each row into its pages. `first`:
     every row starts at 0, so the chunk attends only to itself (flash attention on GPU).
@@ -216,13 +222,13 @@ def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_val
     C = tokens_BC.shape[1]
     pos_BC = start_B[:, None] + jnp.arange(C, dtype=jnp.int32)
     valid_BC = jnp.arange(C)[None, :] < n_valid_B[:, None]
-    page_BC, offset_BC = page_of(table_BM, pos_BC, valid_BC, ecfg.page_size)
+    page_BC, offset_BC = page_of(table_BY, pos_BC, valid_BC, ecfg.page_size)
     kv_len_B = start_B + n_valid_B
 
     def attend(q, k, v, kp, vp, base):
         if first:
             return pa.chunk_self_attention(q, k, v)
-        return pa.paged_attention_xla(q, pos_BC, kp, vp, table_BM, kv_len_B, base,
+        return pa.paged_attention_xla(q, pos_BC, kp, vp, table_BY, kv_len_B, base,
                                       ecfg.prefill_block_pages)
 
     x_BCD = (_embed(cfg, params, tokens_BC) if embeds_BCD is None
@@ -248,15 +254,16 @@ def _fused_layers(cfg, ecfg, params, x_B1D, rope_B1, state, page_B, offset_B, kv
     cos, sin = rope_angles(cfg, rope_B1)
     cos_BH2, sin_BH2 = cos[:, 0, :H2], sin[:, 0, :H2]
     kp, vp = state.k_pages, state.v_pages
-    P = kp.shape[1] // cfg.n_layers
+    num_pages = kp.shape[1] // cfg.n_layers
     for layer, lp in enumerate(params["layers"]):
         h = block.apply({"params": lp}, x_B1D, method=lambda m, x: m.input_norm(x))
-        y_BXH = _joined(h, lp["qkv"]["kernel"])[:, 0]
+        y_BJH = _joined(h, lp["qkv"]["kernel"])[:, 0]
         norms = ((lp["q_norm"]["scale"], lp["k_norm"]["scale"]) if cfg.qk_norm
                  else (None, None))
         attn_BNH, kp, vp = paged_kernel.fused_decode_attention(
-            y_BXH, lp["qkv"].get("bias"), *norms, cos_BH2, sin_BH2, kp, vp, state.page_table,
-            kv_len_B, page_B, offset_B, layer * P, n_heads=cfg.n_heads, eps=cfg.rms_norm_eps,
+            y_BJH, lp["qkv"].get("bias"), *norms, cos_BH2, sin_BH2, kp, vp, state.page_table,
+            kv_len_B, page_B, offset_B, layer * num_pages, n_heads=cfg.n_heads,
+            eps=cfg.rms_norm_eps,
             pages_per_block=ecfg.decode_block_pages, k_splits=ecfg.pallas_k_splits,
             warps=ecfg.pallas_warps, stages=ecfg.pallas_stages,
             kv_per_program=ecfg.pallas_kv_per_program,
@@ -306,9 +313,9 @@ def _decode_step(cfg, ecfg, params, state: DecodeState, rng):
                    donate_argnames=("state",), compiler_options=_DECODE_OPTIONS)
 def decode_steps(cfg, ecfg, params, state: DecodeState, rng, num_steps: int):
     """Up to `num_steps` decode steps; stops early once no slot is live."""
-    S = state.tokens.shape[0]
-    out = StepOutput(jnp.zeros((num_steps, S), jnp.int32), jnp.zeros((num_steps, S), jnp.float32),
-                     jnp.zeros((num_steps, S), bool), state.active)
+    B = state.tokens.shape[0]
+    out = StepOutput(jnp.zeros((num_steps, B), jnp.int32), jnp.zeros((num_steps, B), jnp.float32),
+                     jnp.zeros((num_steps, B), bool), state.active)
 
     def cond(c):
         i, st, _ = c
@@ -326,18 +333,18 @@ def decode_steps(cfg, ecfg, params, state: DecodeState, rng, num_steps: int):
 
 
 @functools.partial(jax.jit, static_argnames=("num_layers",), donate_argnames=("state",))
-def insert_slots(state: DecodeState, slot_B, row_BM, length_B, token_B, remaining_B, sample_B,
+def insert_slots(state: DecodeState, slot_B, row_BY, length_B, token_B, remaining_B, sample_B,
                  copy_src_B, copy_dst_B, num_layers: int, delta_B=None):
     """Copies each new slot's partial prompt page (all layers) and sets its row. Padding rows
-    carry slot index S (dropped) and copy the null page onto itself."""
-    P = state.k_pages.shape[1] // num_layers
-    base_L1 = jnp.arange(num_layers, dtype=jnp.int32)[:, None] * P
+    carry slot index max_slots (out of range: dropped) and copy the null page onto itself."""
+    num_pages = state.k_pages.shape[1] // num_layers
+    base_L1 = jnp.arange(num_layers, dtype=jnp.int32)[:, None] * num_pages
     src, dst = base_L1 + copy_src_B[None], base_L1 + copy_dst_B[None]
     kp = state.k_pages.at[:, dst].set(state.k_pages[:, src])
     vp = state.v_pages.at[:, dst].set(state.v_pages[:, src])
     put = lambda a, v: a.at[slot_B].set(v, mode="drop")  # noqa: E731
     return state._replace(
-        k_pages=kp, v_pages=vp, page_table=put(state.page_table, row_BM),
+        k_pages=kp, v_pages=vp, page_table=put(state.page_table, row_BY),
         lengths=put(state.lengths, length_B), tokens=put(state.tokens, token_B),
         active=put(state.active, jnp.ones_like(slot_B, bool)),
         remaining=put(state.remaining, remaining_B), sample_ids=put(state.sample_ids, sample_B),
@@ -346,17 +353,17 @@ def insert_slots(state: DecodeState, slot_B, row_BM, length_B, token_B, remainin
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def deactivate(state: DecodeState, slot_mask_S):
-    return state._replace(active=state.active & ~slot_mask_S,
-                          page_table=jnp.where(slot_mask_S[:, None], NULL_PAGE, state.page_table))
+def deactivate(state: DecodeState, slot_mask_B):
+    return state._replace(active=state.active & ~slot_mask_B,
+                          page_table=jnp.where(slot_mask_B[:, None], NULL_PAGE, state.page_table))
 
 
 def _zero_state(cfg, ecfg) -> DecodeState:
-    S, M = ecfg.max_slots, ecfg.pages_per_slot
+    B, Y = ecfg.max_slots, ecfg.pages_per_slot
     pool = (cfg.n_kv_heads, cfg.n_layers * ecfg.num_pages, ecfg.page_size, cfg.head_dim)
     i32 = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-    return DecodeState(jnp.zeros(pool, cfg.dtype), jnp.zeros(pool, cfg.dtype), i32(S, M), i32(S),
-                       i32(S), jnp.zeros(S, bool), i32(S), i32(S), i32(S), i32(S))
+    return DecodeState(jnp.zeros(pool, cfg.dtype), jnp.zeros(pool, cfg.dtype), i32(B, Y), i32(B),
+                       i32(B), jnp.zeros(B, bool), i32(B), i32(B), i32(B), i32(B))
 
 
 # ----------------------------------------------------------------------------- host side

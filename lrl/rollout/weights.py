@@ -16,7 +16,8 @@ the training layout cost bandwidth there, and this one copy per `generate` call 
   the heads of the three are sharded separately, so they stay apart.
 The copy costs one read of the weights and as many bytes of memory in the compute dtype.
 
-L layers.
+L layers · D model width · F MLP width · N query heads · K key/value heads · H head dim ·
+J joined projections (the 2 of gate_up, the N + 2K of qkv).
 """
 from __future__ import annotations
 
@@ -39,10 +40,11 @@ def is_decode_layout(params) -> bool:
 
 
 def _fuse_gate_up(layer, stack=None):
-    """gate_proj and up_proj as one matmul, kernel [D, 2, F] (bias [2, F]): one weight read at
-    full bandwidth (XLA otherwise merges the two dots by concatenating the weights in every
-    step). The 2 sits before F so that sharding F over `tensor` keeps each shard's gate and
-    up columns together. `stack` fuses the pair of leaves (arrays, or logical-axes tuples)."""
+    """gate_proj and up_proj as one matmul, kernel [D, J, F] with J = 2 (bias [J, F]): one
+    weight read at full bandwidth (XLA otherwise merges the two dots by concatenating the
+    weights in every step). J sits before F so that sharding F over `tensor` keeps each
+    shard's gate and up columns together. `stack` fuses the pair of leaves (arrays, or
+    logical-axes tuples)."""
     if stack is None:
         stack = lambda g, u: jnp.stack([g, u], axis=-2)  # noqa: E731
     out = {k: v for k, v in layer.items() if k not in ("gate_proj", "up_proj")}
@@ -52,7 +54,8 @@ def _fuse_gate_up(layer, stack=None):
 
 
 def _fuse_qkv(layer, join=None):
-    """q_proj, k_proj and v_proj as one projection, kernel [D, N + 2K, H] (bias [N + 2K, H]).
+    """q_proj, k_proj and v_proj as one projection, kernel [D, J, H] with J = N + 2K (bias
+    [J, H]).
     `join` joins the three leaves (arrays, or logical-axes tuples)."""
     if join is None:
         join = lambda q, k, v: jnp.concatenate([q, k, v], axis=-2)  # noqa: E731
