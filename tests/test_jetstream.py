@@ -120,13 +120,36 @@ def test_orchestrator_matches_generate(policy):
     assert pool.num_used == sum(len(p) for p in engine._engine.slot_pages if p)
 
 
+def test_disaggregated_driver_and_seeded_sampling_match_generate(policy):
+    """Prefill and generate on two engines (the prefix moves by device_put to the generate
+    engine's sharding), sampling at temperature 1 with top-k: the same draws as generate,
+    whose sample p is our p-th admitted request."""
+    cfg, params, tok, prompts, eos = policy
+    sampling = dict(temperature=1.0, top_k=20)
+    outs = rollout.generate(cfg, params, prompts, max_new_tokens=MAX_NEW, eos_ids=(eos,),
+                            page_size=4, seed=3, **sampling)
+    want = [reply([int(t) for t in o[0][0]], eos, MAX_NEW) for o in outs]
+    assert want != [reply(g, eos, MAX_NEW) for g in greedy(cfg, params, prompts, (eos,))]
+
+    engines = [LrlEngine(cfg, params, HFTokenizer(tok, (eos,)), seed=3,
+                         sampling=rollout.SamplingParams(**sampling), **SIZES)
+               for _ in range(2)]
+    p = engines[0].load_params()
+    driver = orchestrator.Driver(prefill_engines=engines[:1], generate_engines=engines[1:],
+                                 prefill_params=[p], generate_params=[p],
+                                 interleaved_mode=False, jax_padding=True)
+    try:
+        orch = orchestrator.LLMOrchestrator(driver)
+        got = _run(orch, [_tokens_request(q, MAX_NEW) for q in prompts])
+    finally:
+        driver.stop()
+    assert [g[0] for g in got] == want
+
+
 def test_grpc_server_chat_limits_and_recovery(policy):
     cfg, params, tok, _, eos = policy
     tokenizer = HFTokenizer(tok, (eos,))
-    from lrl.data.prompts import tokenize_prompt   # the training rendering of a prompt
     ids = tokenizer.prompt_ids(PROMPT)
-    np.testing.assert_array_equal(ids, tokenize_prompt(tok, [{"role": "user",
-                                                             "content": PROMPT}]))
     want = reply(greedy(cfg, params, [ids], eos=(eos,))[0], eos, 10)
     want_text = tok.decode(want, skip_special_tokens=True)
     assert want_text
@@ -154,6 +177,18 @@ def test_grpc_server_chat_limits_and_recovery(policy):
         srv.stop()
 
 
+def test_prompts_are_rendered_as_in_training(policy):
+    from lrl.data.prompts import tokenize_prompt
+    tok = policy[2]
+    for text in (PROMPT, "two\nlines, <think> and 12345"):
+        np.testing.assert_array_equal(
+            HFTokenizer(tok, (3,)).prompt_ids(text),
+            tokenize_prompt(tok, [{"role": "user", "content": text}]))
+        np.testing.assert_array_equal(
+            HFTokenizer(tok, (3,), chat_template=False).prompt_ids(text),
+            tok(text, add_special_tokens=False)["input_ids"])
+
+
 def test_stream_text_keeps_characters_whole(policy):
     tok = policy[2]
     tokenizer = HFTokenizer(tok, (3,))
@@ -167,8 +202,19 @@ def test_stream_text_keeps_characters_whole(policy):
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
 
 
-def test_engine_refuses_a_max_prefill_length_jetstream_cannot_pad(policy):
+def test_engine_api_properties_and_refusals(policy):
     cfg, params, tok, _, eos = policy
+    tokenizer = HFTokenizer(tok, (eos,))
+    engine = LrlEngine(cfg, params, tokenizer, **SIZES)   # an ABC: every method is there
+    assert (engine.max_concurrent_decodes, engine.samples_per_slot,
+            engine.max_prefill_length) == (3, 1, 32)
+    assert engine.mesh.devices.size == 1 and engine.colocated_cpus
+    assert engine.get_prefix_destination_sharding().device_set == {engine.device}
+    assert engine.build_tokenizer(engine.get_tokenizer()) is tokenizer
+    assert tokenizer.stop_tokens == {eos} and tokenizer.bos_id == -1
+    padded, n = tokenizer.encode(PROMPT, is_bos=True, max_prefill_length=32, jax_padding=False)
+    assert n == len(tokenizer.prompt_ids(PROMPT)) + 1 and padded[0] == -1
+    assert len(padded) in (16, 32)
     with pytest.raises(ValueError, match="max_prefill_length=100"):
         LrlEngine(cfg, params, HFTokenizer(tok, (eos,)), **{**SIZES, "max_prefill_length": 100})
     with pytest.raises(ValueError, match="no end tokens"):
