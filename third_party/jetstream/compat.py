@@ -1,5 +1,6 @@
 """The smallest set of patches that lets the published JetStream run here, for
-google-jetstream 0.2.2 (the newest on PyPI) on jax 0.10.2 (Python 3.11) and jax 0.11.2.
+google-jetstream 0.2.2 (the newest on PyPI) on jax 0.10.2 (Python 3.11, where it runs in the
+tests) and jax 0.11.2 (the GPU image: checked against its source, not run).
 
     from third_party.jetstream import compat
     compat.install()                       # before anything imports jetstream
