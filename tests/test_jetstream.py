@@ -307,3 +307,37 @@ def test_compat_layer():
         token_utils.load_vocab("/no/such/spm.model")
     # Importing the orchestrator no longer turns the root logger to DEBUG on stdout.
     assert logging.getLogger().level != logging.DEBUG
+
+
+def test_a_stream_ending_after_its_loop_closed_is_no_error():
+    """JetStream 0.2.2 ended a stream with two callbacks onto the consumer's loop; the second
+    raised "Event loop is closed" in the detokenize thread (a SIGKILL) once the consumer had
+    closed its loop (compat._patch_multifuture)."""
+    import threading
+
+    from jetstream.core.utils.async_multifuture import AsyncMultifuture
+
+    async def make():
+        return AsyncMultifuture()
+    loop = asyncio.new_event_loop()
+    channel = loop.run_until_complete(make())
+    loop.close()
+    errors = []
+
+    def detokenizer():
+        try:
+            channel.add_result(["late"])
+            channel.close()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    t = threading.Thread(target=detokenizer)
+    t.start()
+    t.join()
+    assert not errors
+
+    async def stream():   # on a live loop, results and the end arrive as before
+        ch = AsyncMultifuture()
+        threading.Thread(target=lambda: (ch.add_result(1), ch.add_result(2), ch.close())).start()
+        return [r async for r in ch], ch
+    got, ch = asyncio.run(stream())
+    assert got == [1, 2] and ch.done()

@@ -6,10 +6,13 @@ tests) and jax 0.11.2 (the GPU image: checked against its source, not run).
     compat.install()                       # before anything imports jetstream
     from jetstream.core import orchestrator
 
-`install()` is idempotent and patches only JetStream's own modules (and a stand-in `seqio`
-module when the real one is absent); jax and the rest of the process are left as they are.
-Each patch says why and for which upstream version. `check_version()` refuses another
-google-jetstream version, whose code these patches were not checked against.
+Patched: the `seqio` import (a stand-in), `jax.tree_map` in the orchestrator, the root logger
+that importing the orchestrator takes over, and the end of a request's return channel (a race
+that killed the process). `install()` is idempotent and patches only JetStream's own modules
+(and adds a stand-in `seqio` module when the real one is absent); jax and the rest of the
+process are left as they are. Each patch says why and for which upstream version.
+`check_version()` refuses another google-jetstream version, whose code these patches were not
+checked against.
 
 Not patched, and so not supported: the IFRT proxy backend registration in
 `jetstream/engine/__init__.py`, taken only with JAX_PLATFORMS naming "proxy" (it calls
@@ -83,6 +86,36 @@ def _delete_pytree(p):
     jax.tree.map(delete_leaf, p)
 
 
+def _patch_multifuture() -> None:
+    """0.2.2's `AsyncMultifuture` (a request's return channel) ends a stream with two
+    callbacks onto the consumer's event loop: the end marker, then `_done.set`. A consumer
+    whose loop closes once the stream has ended (`asyncio.run` around direct `Decode` calls)
+    can close it between the two, and the detokenize thread's "Event loop is closed" then
+    SIGKILLs the process (seen in this suite: 2 runs in 3). Here one callback does both, and
+    a closed loop (its consumer gone, e.g. cancelled) is not an error: nobody is left to
+    deliver to."""
+    from jetstream.core.utils import async_multifuture as am
+
+    def call(self, fn, *args):
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            if not self._loop.is_closed():
+                raise
+
+    def set_exception(self, exception: Exception) -> None:
+        def finish():
+            self._queue.put_nowait(am._Exception(exception))
+            self._done.set()
+        call(self, finish)
+
+    def add_result(self, result) -> None:
+        call(self, self._queue.put_nowait, result)
+
+    am.AsyncMultifuture.set_exception = set_exception
+    am.AsyncMultifuture.add_result = add_result
+
+
 def install() -> None:
     global _installed
     if _installed:
@@ -100,4 +133,5 @@ def install() -> None:
         if h not in handlers:
             root.removeHandler(h)
     orchestrator.delete_pytree = _delete_pytree
+    _patch_multifuture()
     _installed = True
