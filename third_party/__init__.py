@@ -1,0 +1,1 @@
+"""Thin adapters to outside frameworks. The core (`lrl/`) never imports this package."""
