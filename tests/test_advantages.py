@@ -19,6 +19,24 @@ def test_grpo_constant_group_is_zero_not_nan():
     np.testing.assert_array_equal(a, np.zeros((2, 3)))
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
+def test_constant_groups_are_exactly_zero_for_any_reward_value(estimator):
+    # 0.7 is no binary fraction: the float32 group mean of 16 copies rounds 1 ulp away from
+    # it, and grpo divided that residual by a 1-ulp std (+ eps) into 0.106 per sample.
+    values = np.float32([0.7, 0.1, 1 / 3, -2.3, 1e4 + 0.1, 0.3])
+    for g in (2, 3, 5, 7, 16, 64):
+        a = np.asarray(advantages(np.repeat(values[:, None], g, axis=1), estimator))
+        np.testing.assert_array_equal(a, 0.0, err_msg=f"G={g}")
+    # Mixed with informative groups, the constant ones still get exactly 0, and the others
+    # what they get alone (grpo, dr_grpo, rloo are per group).
+    mixed = np.float32([[0.7] * 4, [1.0, 0.0, 0.0, 1.0], [0.3] * 4])
+    a = np.asarray(advantages(mixed, estimator))
+    np.testing.assert_array_equal(a[[0, 2]], 0.0)
+    assert np.all(a[1] != 0.0)
+    if estimator != "reinforce_pp":
+        np.testing.assert_array_equal(a[1], np.asarray(advantages(mixed[1:2], estimator))[0])
+
+
 def test_dr_grpo_only_centres():
     a = advantages(np.array([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 1.0, 1.0]]), "dr_grpo")
     np.testing.assert_allclose(a, [[0.5, -0.5, -0.5, 0.5], [1.5, -0.5, -0.5, -0.5]], rtol=1e-6)
