@@ -155,4 +155,7 @@ def pass_at_k(correct_PG: np.ndarray, k: int) -> float:
 
 
 def advantages(groups: Groups, estimator: str) -> np.ndarray:
-    return np.asarray(rl.advantages(groups.rewards_PG, estimator=estimator), np.float32)
+    # The completion tokens are what the loss trains (reinforce_pp_token weighs by them).
+    lengths_PG = np.array([len(c) for c in groups.completions]).reshape(groups.P, -1)
+    return np.asarray(rl.advantages(groups.rewards_PG, estimator=estimator,
+                                    lengths_PG=lengths_PG), np.float32)
