@@ -83,6 +83,9 @@ def _run_phases(r: Run, sft_steps: int, rl_steps: int) -> dict:
     # Both phases use the same optimizer structure (only the schedules differ), so one
     # abstract state restores either phase's checkpoint.
     restored = _restore(r, rl_tx)
+    # Rows logged after the restored checkpoint by a run that died are logged again: cut them.
+    r.writer.resume(restored.step if restored else 0,
+                    restored.data_state["phase"] if restored else None)
     phase = restored.data_state["phase"] if restored else ("sft" if sft_steps else "grpo")
     state = restored.state if restored else None
     data_state = restored.data_state if restored else {}

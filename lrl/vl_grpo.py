@@ -345,6 +345,7 @@ def run(config, workdir: str) -> dict:
                 needs_old=needs_old, sampler_logp=plain)
         del params
         writer = MetricsWriter(workdir, rl_cfg.steps, tensorboard=config.metrics.tensorboard)
+        writer.resume(step, "grpo" if step else None)  # cut rows logged after the checkpoint
         G = rl_cfg.group_size
         try:
             while step < rl_cfg.steps:
