@@ -1,6 +1,8 @@
 """A run broken the ways users break runs, then started again on the same workdir: a death
-between checkpoints (no SIGTERM)."""
+between checkpoints (no SIGTERM), then a step directory that lost an item."""
 import json
+import os
+import shutil
 
 import pytest
 
@@ -18,7 +20,7 @@ def _steps(path):
     return [json.loads(line)["step"] for line in open(path).read().splitlines()]
 
 
-def test_death_between_checkpoints_logs_each_step_once(tmp_path, monkeypatch):
+def test_death_between_checkpoints_then_a_step_without_its_data(tmp_path, monkeypatch):
     cfg = tiny_config()
     cfg.eval.every = 0
     work = str(tmp_path)
@@ -41,3 +43,11 @@ def test_death_between_checkpoints_logs_each_step_once(tmp_path, monkeypatch):
     assert _steps(tmp_path / "samples.jsonl") == sorted(_steps(tmp_path / "samples.jsonl"))
     assert len(set(_steps(tmp_path / "samples.jsonl"))) == 3  # steps 4, 5, 6
 
+    # The newest step loses its data item: the run goes on from the step before it.
+    shutil.rmtree(tmp_path / "checkpoints" / "6" / "data")
+    cfg.rl.steps = 4
+    loop.run(cfg, work)
+    assert _steps(tmp_path / "metrics.jsonl") == [1, 2, 3, 4, 5, 6, 7]
+    quarantined = os.listdir(tmp_path / "checkpoints" / "quarantine")
+    assert len(quarantined) == 1 and quarantined[0].startswith("6-")
+    assert ckpt_lib.CheckpointManager(tmp_path / "checkpoints").all_steps()[-1] == 7
