@@ -110,3 +110,20 @@ def test_bad_checkpoints_name_the_culprit(tmp_path):
     (tmp_path / "m" / "model.safetensors").write_bytes(b"\x05\x00")
     with pytest.raises(ValueError, match="truncated"):
         models.load_hf(str(tmp_path / "m"))
+
+
+def test_truncated_safetensors_names_file_and_tensor(tmp_path):
+    make_hf_model("llama", tmp_path)
+    path = tmp_path / "model.safetensors"
+    from lrl.models.hf_io import _read_header
+    header = _read_header(str(path))
+    ends = sorted((info["data_offsets"][1], k) for k, info in header.items()
+                  if not k.startswith("__"))
+    size = path.stat().st_size
+    cut = header["__data_start__"] + ends[-2][0] + 3  # 3 bytes into the last tensor
+    path.write_bytes(path.read_bytes()[:cut])
+    last = ends[-1][1]
+    # It was "cannot reshape array of size 0 into shape (32,)", naming nothing.
+    with pytest.raises(ValueError, match=rf"{path}.*{cut} bytes.*{size}.*{last}"):
+        models.load_hf(str(tmp_path))
+
