@@ -127,3 +127,12 @@ def test_truncated_safetensors_names_file_and_tensor(tmp_path):
     with pytest.raises(ValueError, match=rf"{path}.*{cut} bytes.*{size}.*{last}"):
         models.load_hf(str(tmp_path))
 
+
+def test_config_json_that_is_not_json_names_its_path(tmp_path):
+    make_hf_model("qwen2", tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2",')
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'} is not valid JSON.*line 1"):
+        models.load_hf(str(tmp_path))
+    from lrl.models import vl_io
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'} is not valid JSON"):
+        vl_io.load_hf_vl(str(tmp_path))

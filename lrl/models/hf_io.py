@@ -88,8 +88,7 @@ class SafetensorsDir:
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = config_lib.read_json(index)["weight_map"]
         elif os.path.isfile(single):
             weight_map = None
         else:
