@@ -1,6 +1,7 @@
 """Rewards: each reward on tricky inputs, the registry and weighted specs, and the worker pool
 (timeouts and errors score 0 and are counted; a hung worker is replaced and the pool goes on).
 """
+import logging
 import os
 import threading
 import time
@@ -259,6 +260,14 @@ def test_pool_scores_in_order_and_counts_timeouts_and_errors(pool):
     np.testing.assert_array_equal(scores, [float(i % 3 != 0) for i in range(24)])
     assert (stats["n_timeout"], stats["n_error"], stats["n_restarts"]) == (0, 0, 0)
     assert pool.score([])[0].shape == (0,)
+
+
+def test_a_dead_worker_is_reported_with_its_exit_code(pool, caplog):
+    with caplog.at_level(logging.WARNING, logger="lrl.rewards.pool"):
+        scores, stats = pool.score([("exit", "1", {})])
+    assert scores.tolist() == [0.0] and stats["n_error"] == 1
+    # The code was read before the process was joined, so it said "exit code None".
+    assert "worker died, exit code 3" in caplog.text
 
 
 def test_pool_with_a_weighted_spec_reports_each_term():

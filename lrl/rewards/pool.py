@@ -62,6 +62,18 @@ def _worker_main(conn, terms: tuple[Term, ...]) -> None:
             conn.send((idx, "error", f"{type(e).__name__}: {e}"))
 
 
+def _exit_status(process) -> str:
+    # The pipe closes before the process is reaped: its exit code is None until joined.
+    process.join(timeout=5)
+    code = process.exitcode
+    if code is not None and code < 0:
+        try:
+            return f"killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 @dataclasses.dataclass
 class _Worker:
     process: mp.process.BaseProcess
@@ -267,7 +279,7 @@ class RewardPool:
                 if w.state == "starting":
                     self._on_started(w, msg)
                 elif msg is None:  # the worker died mid-call (segfault, os._exit, OOM kill)
-                    finish(w.idx, "error", f"worker died, exit code {w.process.exitcode}")
+                    finish(w.idx, "error", f"worker died, {_exit_status(w.process)}")
                     self._replace(w)
                 else:
                     finish(w.idx, msg[1], msg[2])
@@ -310,7 +322,7 @@ class RewardPool:
         if msg is not None and msg[0] == "ready":
             w.state = "idle"
             return
-        detail = msg[1] if msg is not None else f"it exited with code {w.process.exitcode}"
+        detail = msg[1] if msg is not None else f"it died, {_exit_status(w.process)}"
         self.close()
         names = [t.name for t in self.terms]
         raise RuntimeError(f"reward worker failed to start ({names}): {detail}")
