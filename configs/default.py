@@ -131,6 +131,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.reward.spec = "synthetic:1.0"  # "name:weight,name:weight"
     c.reward.num_workers = 2
     c.reward.timeout_s = 10.0
+    c.reward.fail_frac = 1.0         # share of a scoring call's items failing that fails the call
+    c.reward.fail_patience = 3       # that many failed calls in a row stop the run; 0: never
 
     # --- rollout engine ---------------------------------------------------------------------
     c.rollout = ml_collections.ConfigDict(dict(page_size=16, max_slots=128, pool_tokens=0))

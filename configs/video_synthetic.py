@@ -104,7 +104,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.optim = ml_collections.ConfigDict(dict(
         lr=1e-3, warmup_steps=2, weight_decay=0.0, b1=0.9, b2=0.99, clip_norm=1.0))
-    c.reward = ml_collections.ConfigDict(dict(spec="video:1.0", num_workers=2, timeout_s=10.0))
+    c.reward = ml_collections.ConfigDict(dict(
+        spec="video:1.0", num_workers=2, timeout_s=10.0,
+        fail_frac=1.0,               # share of a scoring call's items failing that fails the call
+        fail_patience=3))            # that many failed calls in a row stop the run; 0: never
     c.rollout = ml_collections.ConfigDict(dict(
         page_size=16, max_slots=64, pool_tokens=0,
         sp_min_tokens=0))            # with ring/ulysses over seq > 1: prompts of at least this

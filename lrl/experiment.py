@@ -204,7 +204,8 @@ def reward_pool(config):
     from lrl.rewards import RewardPool
     spec = config.reward.spec
     return RewardPool(spec, num_workers=config.reward.num_workers,
-                      timeout_s=config.reward.timeout_s)
+                      timeout_s=config.reward.timeout_s, fail_frac=config.reward.fail_frac,
+                      fail_patience=config.reward.fail_patience)
 
 
 def loss_config(config):
