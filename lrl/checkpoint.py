@@ -126,12 +126,14 @@ def _check_items(step: int, step_dir: epath.Path, names) -> None:
 
 def _restore_step(mgr, step: int, step_dir: epath.Path, abstract, partial=False):
     """One step's items. `abstract` may hold typed-key leaves (restored via key data)."""
-    _check_items(step, step_dir, {"meta", "state"} | _orbax_items(step_dir))
+    # A partial restore (export's parameters) needs no data position or experiment config.
+    needed = (lambda names: set(names) & {"meta", "state", "model_config"}) if partial else set
+    _check_items(step, step_dir, needed({"meta", "state"} | _orbax_items(step_dir)))
     meta_only = ocp.args.Composite(meta=ocp.args.JsonRestore())
     meta = mgr.restore(step, args=meta_only)["meta"]
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"meta of step {step} is {meta!r}, expected format {FORMAT}")
-    _check_items(step, step_dir, meta.get("items", ()))
+    _check_items(step, step_dir, needed(meta.get("items", ())))
     impls = {}
 
     def raw(path, x):

@@ -235,6 +235,19 @@ def test_step_missing_an_item_falls_back(tmp_path, caplog, item, record):
         assert [p[:2] for p in os.listdir(tmp_path / "quarantine")] == ["2-"]
 
 
+def test_export_reads_a_step_that_lost_only_what_export_does_not_read(tmp_path):
+    with ck.CheckpointManager(tmp_path, keep=5) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, {"params": small_state(s)["w"]}, data_state={"step": s},
+                     config={"lr": 0.1}, model_config=CFG)
+    shutil.rmtree(tmp_path / "3" / "data")  # the data position: the params are intact
+    got = ck.restore_params(tmp_path)
+    assert got.step == 3 and float(got.state[0, 0]) == 3.0 and not got.skipped
+    shutil.rmtree(tmp_path / "3" / "model_config")  # export needs it: the step before
+    got = ck.restore_params(tmp_path)
+    assert got.step == 2 and "'model_config'" in got.skipped[0][2]
+
+
 def test_no_good_checkpoint_is_an_error(tmp_path):
     one = SingleDeviceSharding(jax.devices()[0])
     abstract = jax.eval_shape(lambda: small_state(0))
