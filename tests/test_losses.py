@@ -99,7 +99,7 @@ def test_kl_estimators(estimator, expected):
 @pytest.mark.parametrize("d", [2.0, 2.6, 3.0, 5.0, 20.0, 40.0, -30.0])
 def test_kl_estimators_at_large_log_ratios(d):
     """d = ref - logp per token. k3 = e^d - d - 1 is capped at 10, as verl's low_var_kl
-    (e^d - d - 1 = 10 at d = 2.6093); k1 and k2 take d clipped to [-20, 20]."""
+    (e^d - d - 1 = 10 at d = 2.611 and d = -11.0); k1 and k2 take d clipped to [-20, 20]."""
     logp = np.zeros((1, 1), np.float32)
     ref = np.full((1, 1), d, np.float32)
     kl = {est: float(policy_loss(logp, logp, np.array([0.0]), np.ones((1, 1)), ref_logp_BT=ref,

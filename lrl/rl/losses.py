@@ -29,8 +29,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 # leaves both unbounded; they agree while |ref - logp| <= 20).
 _MAX_LOG_RATIO = 20.0
 # verl's cap of the k3 ("low_var_kl") estimate: e^d - d - 1 reaches it at d = ref - logp =
-# 2.609, and a token far from the reference would otherwise dominate the loss (e^20 at the
-# clamp). Past the cap the token's KL term has no gradient, as under verl's torch.clamp.
+# 2.611 (and at -11.0), and a token far from the reference would otherwise dominate the loss
+# (e^20 at the clamp). Past the cap the token's KL term has no gradient, as under torch.clamp.
 _MAX_K3 = 10.0
 
 
