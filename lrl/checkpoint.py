@@ -23,9 +23,10 @@ Checkpoint directory layout (one directory per run, e.g. `<workdir>/checkpoints`
 Restoring tries the newest step first. A step that fails to read (missing or truncated
 files, an item it was saved with that is gone — known from `meta` and from orbax's
 `_CHECKPOINT_METADATA` —, bad JSON, data that no longer matches its checksums) is reported with
-a warning naming it, and the previous step is tried; none readable is a `CheckpointError`. A state of another
-structure or shape than the saved one is a `StateMismatchError` at once (a caller error, not
-damage). The checksums are modular integer sums, identical for any sharding of the same values.
+a warning naming it, and the previous step is tried; none readable is a `CheckpointError`. A
+state of another structure or shape than the saved one is a `StateMismatchError` at once (a
+caller error, not damage). The checksums are modular integer sums, identical for any sharding
+of the same values.
 
 The loop's side:
 

@@ -272,8 +272,8 @@ def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, *, clip_low=0.2, clip_high
     (B · max_len), max_len defaulting to T (Dr. GRPO).
     KL to the reference (k1 = logp - ref, k2 = ½(logp - ref)², k3 = min(exp(ref - logp) -
     (ref - logp) - 1, 10) as verl's low_var_kl; ref - logp clipped to [-20, 20] first, so
-    k1 lies in [-20, 20] and k2 in [0, 200]) aggregated the same way, times kl_coef; minus entropy_coef × the
-    aggregated entropy. With `tis_cap`, the per-token policy term is weighted by
+    k1 lies in [-20, 20] and k2 in [0, 200]) aggregated the same way, times kl_coef; minus
+    entropy_coef × the aggregated entropy. With `tis_cap`, the per-token policy term is weighted by
     min(exp(old_logp - rollout_logp), tis_cap), without gradient (truncated IS, as verl).
     """
     logp_BT = jnp.asarray(logp_BT)
