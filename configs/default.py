@@ -104,7 +104,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.temperature = 1.0
     c.rl.top_k = 0
     c.rl.top_p = 1.0
-    c.rl.estimator = "grpo"          # grpo | dr_grpo | rloo | reinforce_pp
+    c.rl.estimator = "grpo"          # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_token
     c.rl.epochs = 1                  # passes over each rollout batch
     c.rl.minibatches = 2             # optimizer steps per epoch (the step's samples split evenly)
     c.rl.row_len = 512               # packed row length for the update; 0 = the token budget
@@ -134,6 +134,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.reward.spec = "synthetic:1.0"  # "name:weight,name:weight"
     c.reward.num_workers = 2
     c.reward.timeout_s = 10.0
+    c.reward.fail_frac = 1.0         # share of a scoring call's items failing that fails the call
+    c.reward.fail_patience = 3       # that many failed calls in a row stop the run; 0: never
 
     # --- rollout engine ---------------------------------------------------------------------
     c.rollout = ml_collections.ConfigDict(dict(

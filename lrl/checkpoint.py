@@ -11,7 +11,8 @@ Checkpoint directory layout (one directory per run, e.g. `<workdir>/checkpoints`
     DIR/<step>/state/         orbax PyTree (OCDBT): the train state; the model parameters
                               are its top-level `params` entry (`export` reads only those)
     DIR/<step>/meta/          JSON {"format": 1, "step", "time", "prng_impls": {leaf path: impl},
-                              "checksums": {leaf path: [sum, weighted sum] of the raw bits}}
+                              "checksums": {leaf path: [sum, weighted sum] of the raw bits},
+                              "items": [the item names saved in this step]}
     DIR/<step>/data/          JSON: the data-iterator state (optional)
     DIR/<step>/config/        JSON: the experiment config (optional)
     DIR/<step>/model_config/  JSON: lrl `ModelConfig` fields (optional; `export` needs it)
@@ -20,10 +21,12 @@ Checkpoint directory layout (one directory per run, e.g. `<workdir>/checkpoints`
     DIR/<step>.orbax-checkpoint-tmp-*   a save that never committed (reported, left alone)
 
 Restoring tries the newest step first. A step that fails to read (missing or truncated
-files, bad JSON, data that no longer matches its checksums) is reported with a warning naming
-it, and the previous step is tried; none readable is a `CheckpointError`. A state of another
-structure or shape than the saved one is a `StateMismatchError` at once (a caller error, not
-damage). The checksums are modular integer sums, identical for any sharding of the same values.
+files, an item it was saved with that is gone — known from `meta` and from orbax's
+`_CHECKPOINT_METADATA` —, bad JSON, data that no longer matches its checksums) is reported with
+a warning naming it, and the previous step is tried; none readable is a `CheckpointError`. A
+state of another structure or shape than the saved one is a `StateMismatchError` at once (a
+caller error, not damage). The checksums are modular integer sums, identical for any sharding
+of the same values.
 
 The loop's side:
 
@@ -43,6 +46,7 @@ The loop's side:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from typing import Any, Optional
@@ -63,6 +67,7 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 QUARANTINE = "quarantine"
 _TMP_MARK = ".orbax-checkpoint-tmp"
+_ORBAX_METADATA = "_CHECKPOINT_METADATA"
 
 
 def _read_only():
@@ -102,12 +107,34 @@ def _check_against_saved(abstract, step_dir: epath.Path):
                                      f"checkpoint in {step_dir} has {shape}")
 
 
+def _orbax_items(step_dir: epath.Path) -> set[str]:
+    """The items orbax recorded for a step (its _CHECKPOINT_METADATA); empty if unreadable."""
+    try:
+        handlers = json.loads((step_dir / _ORBAX_METADATA).read_text()).get("item_handlers")
+    except Exception:  # noqa: BLE001 -- lrl's meta lists the items too
+        return set()
+    return set(handlers) if isinstance(handlers, dict) else set()
+
+
+def _check_items(step: int, step_dir: epath.Path, names) -> None:
+    # An item that was saved but is gone would otherwise come back as None (a data state
+    # of None, say) and fail later, outside the fallback to the previous step.
+    for name in sorted(names):
+        if not (step_dir / name).exists():
+            raise CheckpointError(f"step {step} lacks its {name!r} item: {step_dir / name} is "
+                                  "missing, and the step was saved with it")
+
+
 def _restore_step(mgr, step: int, step_dir: epath.Path, abstract, partial=False):
     """One step's items. `abstract` may hold typed-key leaves (restored via key data)."""
+    # A partial restore (export's parameters) needs no data position or experiment config.
+    needed = (lambda names: set(names) & {"meta", "state", "model_config"}) if partial else set
+    _check_items(step, step_dir, needed({"meta", "state"} | _orbax_items(step_dir)))
     meta_only = ocp.args.Composite(meta=ocp.args.JsonRestore())
     meta = mgr.restore(step, args=meta_only)["meta"]
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"meta of step {step} is {meta!r}, expected format {FORMAT}")
+    _check_items(step, step_dir, needed(meta.get("items", ())))
     impls = {}
 
     def raw(path, x):
@@ -296,16 +323,17 @@ class CheckpointManager:
             log.info("checkpoint: step %d is already saved", step)
             return False
         raw, impls = ci.unwrap_keys(state)
-        items = {"state": ocp.args.PyTreeSave(raw),
-                 "meta": ocp.args.JsonSave({"format": FORMAT, "step": int(step),
-                                            "time": time.time(), "prng_impls": impls,
-                                            "checksums": ci.checksums(raw)})}
+        items = {"state": ocp.args.PyTreeSave(raw)}
         if data_state is not None:
             items["data"] = ocp.args.JsonSave(ci.encode_data(data_state))
         if config is not None:
             items["config"] = ocp.args.JsonSave(ci.jsonable(config))
         if model_config is not None:
             items["model_config"] = ocp.args.JsonSave(ci.model_config_to_dict(model_config))
+        items["meta"] = ocp.args.JsonSave({"format": FORMAT, "step": int(step),
+                                           "time": time.time(), "prng_impls": impls,
+                                           "checksums": ci.checksums(raw),
+                                           "items": sorted([*items, "meta"])})
         self._mgr.save(int(step), args=ocp.args.Composite(**items), force=True)
         self._last_step, self._last_time = int(step), time.monotonic()
         return True

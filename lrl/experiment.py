@@ -42,7 +42,8 @@ def data_shards(mesh) -> int:
 def reward_pool(opts: options_lib.Options):
     from lrl.rewards import RewardPool
     r = opts.reward
-    return RewardPool(r.spec, num_workers=r.num_workers, timeout_s=r.timeout_s)
+    return RewardPool(r.spec, num_workers=r.num_workers, timeout_s=r.timeout_s,
+                      fail_frac=r.fail_frac, fail_patience=r.fail_patience)
 
 
 def loss_config(opts: options_lib.Options):

@@ -213,7 +213,8 @@ def export(checkpoint: str, output: str, step: Optional[int] = None, dtype: Opti
         os.replace(tmp, output)
     report = {"step": got.step, "checkpoint": got.path, "output": output, "dtype": dtype,
               "format": fmt, "files": sorted(set(files)), "max_rel_err": err,
-              "skipped": [s for s, _, _ in got.skipped]}
+              "skipped": [s for s, _, _ in got.skipped],
+              "skipped_why": {s: why for s, _, why in got.skipped}}
     log.info("export: %s", report)
     return report
 
@@ -246,9 +247,14 @@ def main(argv=None) -> int:
         print(f"lrl.export: error: {e}", file=sys.stderr)
         return 1
     err = report["max_rel_err"]
+    # A newer step that could not be read is said here, on the line a script or person reads,
+    # not only in the warnings above it.
+    skipped = "".join(f"; skipped newer step {s} (unreadable: {why})"
+                      for s, why in report["skipped_why"].items())
     print(f"exported step {report['step']} of {report['checkpoint']} to {report['output']} "
           f"({report['dtype']}, {len(report['files'])} files"
-          + (f", reload check max rel err {err:.3g})" if err is not None else ", not checked)"))
+          + (f", reload check max rel err {err:.3g})" if err is not None else ", not checked)")
+          + skipped)
     return 0
 
 

@@ -223,7 +223,10 @@ def shape_overlong(groups: Groups, rl_) -> tuple[Groups, np.ndarray]:
 
 
 def advantages(groups: Groups, estimator: str) -> np.ndarray:
-    return np.asarray(rl.advantages(groups.rewards_PG, estimator=estimator), np.float32)
+    # The completion tokens are what the loss trains (reinforce_pp_token weighs by them).
+    lengths_PG = np.array([len(c) for c in groups.completions]).reshape(groups.P, -1)
+    return np.asarray(rl.advantages(groups.rewards_PG, estimator=estimator,
+                                    lengths_PG=lengths_PG), np.float32)
 
 
 def process_share(P: int) -> np.ndarray:

@@ -84,6 +84,9 @@ def _run_phases(r: Run) -> dict:
         log.info("resumed from %s (step %d, phase %s)", restored.path, restored.step,
                  restored.data_state.get("phase"))
         r.task.restore(restored.data_state.get("task", {}))
+    # Rows logged after the restored checkpoint by a run that died are logged again: cut them.
+    r.writer.resume(restored.step if restored else 0,
+                    restored.data_state["phase"] if restored else None)
     phase = restored.data_state["phase"] if restored else ("sft" if sft_steps else "grpo")
     state = restored.state if restored else None
     data_state = restored.data_state if restored else {}

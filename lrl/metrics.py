@@ -1,10 +1,18 @@
 """Metrics a person can follow: a console progress line with step time and ETA,
 `metrics.jsonl`, TensorBoard events, a PNG of reward and response length over steps, and
 sample completions in `samples.jsonl`. Only process 0 writes.
+
+A run that dies without saving (kill -9, OOM, a lost node) has logged the steps after its
+last checkpoint, and the resumed run logs them again. `MetricsWriter.resume(step, phase)`,
+called once the checkpoint is restored and before the first `write`, cuts the jsonl files
+back to that checkpoint (`truncate_logs`) and opens the TensorBoard events file with
+`purge_step`, which makes TensorBoard hide the older files' events from the next step on.
+The curves are drawn from the whole `metrics.jsonl`, so they span every run of the workdir.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -13,6 +21,70 @@ from typing import Any, Mapping
 
 import jax
 import numpy as np
+
+log = logging.getLogger(__name__)
+
+LOGS = ("metrics.jsonl", "samples.jsonl")
+
+
+def read_rows(path: str) -> list[dict]:
+    """The rows of a jsonl log; a line that does not parse (the torn last line of a process
+    that died mid-write) is left out."""
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    continue
+    return rows
+
+
+def _kept(line: str, step: int, phase: str | None) -> bool:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return False
+    s = row.get("step") if isinstance(row, dict) else None
+    if not isinstance(s, int):
+        return True  # not a step's row: nothing says it repeats
+    if s != step:
+        return s < step
+    # At the checkpoint's own step, only the phase that saved it is done; another phase's
+    # row there (the GRPO baseline eval after the SFT phase's last step) is written again.
+    # Sample rows carry no phase: only RL steps write them, at their metrics row's step.
+    return phase is not None and row.get("phase", phase) == phase
+
+
+def truncate_logs(workdir: str, step: int, phase: str | None = None) -> dict[str, int]:
+    """Cuts `metrics.jsonl` and `samples.jsonl` back to what a run resumed from the checkpoint
+    of `step` has already logged: every row before `step`, and at `step` the rows of `phase`,
+    the phase that saved that checkpoint (None, a fresh start: none, so `step=0` empties the
+    logs). Each file is rewritten to a sibling and renamed over the original, so a crash here
+    leaves the old file or the new one, never half of one. Returns {file: rows dropped}."""
+    dropped = {}
+    for name in LOGS:
+        path = os.path.join(workdir, name)
+        if not os.path.exists(path):
+            dropped[name] = 0
+            continue
+        with open(path) as f:
+            lines = [line for line in f if line.strip()]
+        keep = [line if line.endswith("\n") else line + "\n" for line in lines
+                if _kept(line, step, phase)]
+        dropped[name] = len(lines) - len(keep)
+        if not dropped[name]:
+            continue
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        log.info("metrics: dropped %d rows of %s logged after step %d (the restored "
+                 "checkpoint); they are logged again", dropped[name], path, step)
+    return dropped
 
 
 def _scalar(v: Any):
@@ -36,14 +108,44 @@ class MetricsWriter:
         self._t0 = self._last = time.time()
         self._step0 = None
         self._tb = None
+        # Opened at the first write, so that `resume` can set its purge step first.
+        self._tb_dir = os.path.join(workdir, "tb") if tensorboard and self.primary else None
+        self._purge_step = None
+        self._written = False
         self.history: list[dict] = []
         if self.primary:
             os.makedirs(workdir, exist_ok=True)
-            self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-            self._samples = open(os.path.join(workdir, "samples.jsonl"), "a")
-            if tensorboard:
-                from tensorboardX import SummaryWriter
-                self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+            self._open_logs()
+
+    def _open_logs(self):
+        self._jsonl = open(os.path.join(self.workdir, "metrics.jsonl"), "a")
+        self._samples = open(os.path.join(self.workdir, "samples.jsonl"), "a")
+
+    def _tensorboard(self):
+        if self._tb is None and self._tb_dir is not None:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(self._tb_dir, purge_step=self._purge_step)
+        return self._tb
+
+    def resume(self, step: int, phase: str | None = None) -> dict[str, int]:
+        """Before the first write of a run resumed from the checkpoint of `step` (saved by
+        `phase`; `step=0, phase=None` when no checkpoint was found): drops the logged rows
+        that this run writes again (see `truncate_logs`) and makes TensorBoard hide the
+        older events files' steps from the next one on (from `step` itself without `phase`).
+        TensorBoard purges by step alone, so after a resume from the SFT phase's last step,
+        the GRPO baseline eval at that step shows twice there (not in the jsonl).
+        Returns {file: rows dropped}."""
+        if self._written:
+            raise RuntimeError("MetricsWriter.resume must come before the first write")
+        self._purge_step = step + 1 if phase is not None else step
+        if not self.primary:
+            return {}
+        self._jsonl.close()
+        self._samples.close()
+        try:
+            return truncate_logs(self.workdir, step, phase)
+        finally:
+            self._open_logs()
 
     def write(self, step: int, metrics: Mapping[str, Any], phase: str = "grpo") -> dict:
         """Records one step; returns the scalars written."""
@@ -55,14 +157,15 @@ class MetricsWriter:
         self._last = now
         row = {"step": step, "phase": phase, **scalars}
         self.history.append(row)
+        self._written = True
         if not self.primary:
             return scalars
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
-        if self._tb is not None:
+        if (tb := self._tensorboard()) is not None:
             for k, v in scalars.items():
-                self._tb.add_scalar(f"{phase}/{k}", v, step)
-            self._tb.flush()
+                tb.add_scalar(f"{phase}/{k}", v, step)
+            tb.flush()
         done = step - self._step0
         eta = (now - self._t0) / max(done, 1) * max(self.total - step, 0)
         shown = " ".join(f"{k}={scalars[k]:.4g}" for k in
@@ -74,16 +177,19 @@ class MetricsWriter:
         return scalars
 
     def samples(self, step: int, records: list[dict]) -> None:
+        self._written = True
         if self.primary:
             for r in records:
                 self._samples.write(json.dumps({"step": step, **r}) + "\n")
             self._samples.flush()
 
     def plot(self, phase: str = "grpo") -> str | None:
-        """PNG of the plotted keys over steps; returns its path."""
+        """PNG of the plotted keys over steps, from the whole `metrics.jsonl` (every run of
+        the workdir, not only this process's steps); returns its path."""
         if not self.primary:
             return None
-        rows = [r for r in self.history if r["phase"] == phase]
+        rows = [r for r in read_rows(os.path.join(self.workdir, "metrics.jsonl"))
+                if r.get("phase") == phase]
         keys = [k for k in self.PLOT_KEYS.get(phase, ("loss",)) if any(k in r for r in rows)]
         if not rows or not keys:
             return None

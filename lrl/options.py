@@ -212,7 +212,8 @@ class RLOptions:
     temperature: float = _opt(ge=0)
     top_k: int = _opt(ge=0)
     top_p: float = _opt(gt=0, le=1)
-    estimator: str = _opt(choices=("grpo", "dr_grpo", "rloo", "reinforce_pp"))
+    estimator: str = _opt(choices=("grpo", "dr_grpo", "rloo", "reinforce_pp",
+                                   "reinforce_pp_token"))
     epochs: int = _opt(ge=1)
     minibatches: int = _opt(ge=1)
     row_len: int = _opt(ge=0)              # 0 = the token budget
@@ -259,6 +260,8 @@ class RewardOptions:
     spec: str
     num_workers: int = _opt(ge=0)
     timeout_s: float = _opt(gt=0)
+    fail_frac: float = _opt(gt=0, le=1)    # share of a scoring call's items failing: a failed call
+    fail_patience: int = _opt(ge=0)        # failed calls in a row that stop the run; 0: never
 
 
 @dataclasses.dataclass(frozen=True)

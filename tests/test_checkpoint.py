@@ -1,7 +1,9 @@
 """Checkpoints: sharded save on an fsdp×tensor mesh, restore on other meshes, keep-last-N,
 cadence, corrupt/partial checkpoints, and the SIGTERM guard."""
+import json
 import logging
 import os
+import shutil
 import signal
 import time
 from typing import NamedTuple
@@ -200,6 +202,50 @@ def test_corrupt_latest_falls_back(tmp_path, caplog, damage):
         mgr.save(3, small_state(33))
     assert ck.restore_latest(tmp_path, abstract, one).state["n"] == 33
     assert (tmp_path / "4.orbax-checkpoint-tmp-17").exists()
+
+
+@pytest.mark.parametrize("item", ["data", "config", "model_config", "meta", "state"])
+@pytest.mark.parametrize("record", ["both", "orbax_only", "meta_only"])
+def test_step_missing_an_item_falls_back(tmp_path, caplog, item, record):
+    """A step directory that lost one of the items it was saved with is unreadable, like a
+    corrupt one: named with the item, quarantined, the previous step used. The saved items
+    are known from lrl's meta and from orbax's _CHECKPOINT_METADATA, either one alone."""
+    with ck.CheckpointManager(tmp_path, keep=5) as mgr:
+        for s in (1, 2):
+            mgr.save(s, small_state(s), data_state={"phase": "grpo", "step": s},
+                     config={"lr": 0.1}, model_config=CFG)
+    latest = tmp_path / "2"
+    if record == "meta_only":
+        os.remove(latest / "_CHECKPOINT_METADATA")
+    elif record == "orbax_only" and item != "meta":  # as a step saved before meta listed them
+        meta = json.loads((latest / "meta" / "metadata").read_text())
+        del meta["items"]
+        (latest / "meta" / "metadata").write_text(json.dumps(meta))
+    shutil.rmtree(latest / item)
+    one = SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.eval_shape(lambda: small_state(0))
+    with caplog.at_level(logging.WARNING, logger="lrl.checkpoint"):
+        got = ck.restore_latest(tmp_path, abstract, one)
+    assert got.step == 1 and got.data_state == {"phase": "grpo", "step": 1}
+    assert [s for s, _, _ in got.skipped] == [2]
+    assert f"step 2 at {latest}" in caplog.text and repr(item) in got.skipped[0][2]
+    with ck.CheckpointManager(tmp_path, keep=5) as mgr:
+        assert mgr.restore(abstract, one).step == 1
+        assert mgr.all_steps() == [1] and not latest.exists()
+        assert [p[:2] for p in os.listdir(tmp_path / "quarantine")] == ["2-"]
+
+
+def test_export_reads_a_step_that_lost_only_what_export_does_not_read(tmp_path):
+    with ck.CheckpointManager(tmp_path, keep=5) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, {"params": small_state(s)["w"]}, data_state={"step": s},
+                     config={"lr": 0.1}, model_config=CFG)
+    shutil.rmtree(tmp_path / "3" / "data")  # the data position: the params are intact
+    got = ck.restore_params(tmp_path)
+    assert got.step == 3 and float(got.state[0, 0]) == 3.0 and not got.skipped
+    shutil.rmtree(tmp_path / "3" / "model_config")  # export needs it: the step before
+    got = ck.restore_params(tmp_path)
+    assert got.step == 2 and "'model_config'" in got.skipped[0][2]
 
 
 def test_no_good_checkpoint_is_an_error(tmp_path):

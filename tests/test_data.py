@@ -210,6 +210,40 @@ def test_length_filter_is_counted(tok, tmp_path):
         next(prompts.PromptIterator(src, tok, batch_size=1, max_prompt_len=3))
 
 
+def test_a_huge_row_is_cut_by_characters_before_tokenizing(tok, tmp_path, monkeypatch, caplog):
+    # One 4 MB prompt took 5 s to tokenize here (a 120 MB one stalled the pipeline for
+    # minutes); no token covers more than the longest vocabulary string, so a prompt with
+    # more than max_prompt_len times that many characters (4x, for Unicode normalisers that
+    # compose characters) cannot fit and is dropped without being tokenized.
+    rows = [{"prompt": f"word {i}", "answer": str(i)} for i in range(6)]
+    rows.insert(3, {"prompt": "word " * 800_000, "answer": "huge"})
+    path = _write_jsonl(tmp_path / "huge.jsonl", rows)
+    encoded = []
+    encode = prompts._encode
+    monkeypatch.setattr(prompts, "_encode",
+                        lambda t, text: encoded.append(len(text)) or encode(t, text))
+    it = prompts.PromptIterator(sources.JsonlSource(path), tok, batch_size=2,
+                                max_prompt_len=64, num_epochs=1)
+    with caplog.at_level(logging.WARNING):
+        batches = list(it)
+    assert sorted(a for b in batches for a in b["answer"]) == [str(i) for i in range(6)]
+    assert max(encoded) < 1000  # the huge row never reached the tokenizer
+    assert it.stats()["data/dropped_too_long"] == 1
+    assert f"{path}" in caplog.text and "line 4" in caplog.text
+    chars = len(prompts.render_prompt(tok, [{"role": "user", "content": rows[3]["prompt"]}]))
+    assert f"{chars} characters" in caplog.text and "max_prompt_len=64" in caplog.text
+    assert prompts.max_chars(tok, 64) == 64 * max(len(t) for t in tok.get_vocab()) * 4
+    # SFT records alike (without truncation a long response cannot fit either).
+    encoded.clear()
+    sft_rows = [{"prompt": f"p{i}", "response": "word " * (800_000 if i == 2 else 2)}
+                for i in range(5)]
+    src = sources.JsonlSource(_write_jsonl(tmp_path / "sft.jsonl", sft_rows),
+                              answer_field=None, response_field="response")
+    sft = prompts.SFTIterator(src, tok, rows=2, row_len=64, num_epochs=1)
+    assert sum(int(b["num_sequences"]) for b in sft) == 4
+    assert max(encoded) < 1000 and sft.stats()["data/dropped_too_long"] == 1
+
+
 def test_two_processes_get_disjoint_prompts_covering_the_dataset(tok, tmp_path):
     src = _prompt_source(tmp_path, 20)
     seen = []

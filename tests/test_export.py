@@ -114,6 +114,22 @@ def test_older_step_tokenizer_and_overwrite(tmp_path):
     assert rel_err(hf_logits(hf, TOKENS), np.asarray(models.forward(cfg, half, TOKENS))) < 1e-4
 
 
+def test_a_skipped_newer_step_is_named_in_the_last_line(tmp_path, capsys):
+    _save_run("qwen3", tmp_path)
+    for root, _, files in os.walk(tmp_path / "ckpt" / "5" / "state"):  # step 5's data garbled
+        for f in files:
+            if os.path.basename(root) == "d":
+                path = os.path.join(root, f)
+                b = bytearray(open(path, "rb").read())
+                b[len(b) // 2:len(b) // 2 + 8] = bytes(x ^ 0xFF for x in b[len(b) // 2:][:8])
+                open(path, "wb").write(bytes(b))
+    assert export.main([f"--checkpoint={tmp_path / 'ckpt'}", f"--output={tmp_path / 'o'}"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("exported step 3 ")
+    reason = last.split("; skipped newer step 5 (unreadable: ", 1)[1]
+    assert "5/state" in reason  # what the restore found wrong with it
+
+
 def test_bad_inputs_name_the_culprit(tmp_path, capsys):
     _save_run("qwen3", tmp_path, with_model_config=False, steps=(1,))
     with pytest.raises(ValueError, match="no model_config"):

@@ -96,6 +96,26 @@ def test_kl_estimators(estimator, expected):
     np.testing.assert_allclose(loss, 0.1 * expected, atol=1e-7)
 
 
+@pytest.mark.parametrize("d", [2.0, 2.6, 3.0, 5.0, 20.0, 40.0, -30.0])
+def test_kl_estimators_at_large_log_ratios(d):
+    """d = ref - logp per token. k3 = e^d - d - 1 is capped at 10, as verl's low_var_kl
+    (e^d - d - 1 = 10 at d = 2.611 and d = -11.0); k1 and k2 take d clipped to [-20, 20]."""
+    logp = np.zeros((1, 1), np.float32)
+    ref = np.full((1, 1), d, np.float32)
+    kl = {est: float(policy_loss(logp, logp, np.array([0.0]), np.ones((1, 1)), ref_logp_BT=ref,
+                                 kl_coef=0.1, kl_estimator=est)[1]["kl"])
+          for est in ("k1", "k2", "k3")}
+    dc = float(np.clip(d, -20.0, 20.0))
+    np.testing.assert_allclose(kl["k3"], min(np.expm1(dc) - dc, 10.0), rtol=1e-6)
+    np.testing.assert_allclose(kl["k1"], -dc, rtol=1e-6)
+    np.testing.assert_allclose(kl["k2"], 0.5 * dc * dc, rtol=1e-6)
+    # Past the cap the k3 term carries no gradient (as torch.clamp's); below it, e^d - 1.
+    g = jax.grad(lambda lp: policy_loss(lp, lp, np.array([0.0]), np.ones((1, 1)),
+                                        ref_logp_BT=ref, kl_coef=1.0)[0])(jnp.asarray(logp))
+    want = 0.0 if np.expm1(dc) - dc > 10.0 else -np.expm1(dc)
+    np.testing.assert_allclose(float(g[0, 0]), want, rtol=1e-5, atol=1e-7)
+
+
 def test_entropy_bonus():
     loss, m = policy_loss(np.zeros((1, 3)), np.zeros((1, 3)), np.array([0.5]),
                           np.array([[1, 1, 0]]), entropy_BT=np.array([[1.0, 2.0, 9.0]]),

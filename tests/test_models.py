@@ -75,6 +75,29 @@ def test_sharded_forward_equals_single_device(family_dir, axes):
     assert rel_err(got, want) < 1e-5
 
 
+def test_forward_on_a_mesh_names_what_is_not_placed_for_it(tmp_path):
+    make_hf_model("llama", tmp_path)
+    mesh = mesh_lib.make_mesh({"fsdp": 4, "tensor": 2})
+    cfg, params = models.load_hf(str(tmp_path))  # on one device, not on the mesh
+    tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, size=(4, 16))
+    # It failed inside jit: "Received incompatible devices for jitted computation".
+    with pytest.raises(ValueError, match=r"params\['embed'\]\['embedding'\].*1 device.*8 "
+                                         r"devices.*load_hf\(path, mesh=mesh\)"):
+        models.forward(cfg, params, tokens, mesh=mesh)
+    cfg_s, params_s = models.load_hf(str(tmp_path), mesh=mesh)
+    want = models.forward(cfg, params, tokens)
+    assert rel_err(models.forward(cfg_s, params_s, tokens, mesh=mesh), want) < 1e-5
+    # It failed with jax's IndivisibleError from inside Flax.
+    with pytest.raises(ValueError, match=r"tokens_BT has 3 rows.*data×fsdp = 4.*multiple of 4"):
+        models.forward(cfg_s, params_s, tokens[:3], mesh=mesh)
+    on_3 = jax.device_put(tokens, jax.devices()[3])
+    with pytest.raises(ValueError, match=r"tokens_BT.*1 device.*8 devices"):
+        models.forward(cfg_s, params_s, on_3, mesh=mesh)
+    # Under jit the same batch is padded by the partitioner, and works.
+    got = jax.jit(lambda p, t: models.forward(cfg_s, p, t, mesh=mesh))(params_s, tokens[:3])
+    assert rel_err(got, want[:3]) < 1e-5
+
+
 def test_sharded_multifile_checkpoint(tmp_path):
     torch_model = make_hf_model("qwen3", tmp_path, max_shard_size="40KB")
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
@@ -110,3 +133,29 @@ def test_bad_checkpoints_name_the_culprit(tmp_path):
     (tmp_path / "m" / "model.safetensors").write_bytes(b"\x05\x00")
     with pytest.raises(ValueError, match="truncated"):
         models.load_hf(str(tmp_path / "m"))
+
+
+def test_truncated_safetensors_names_file_and_tensor(tmp_path):
+    make_hf_model("llama", tmp_path)
+    path = tmp_path / "model.safetensors"
+    from lrl.models.hf_io import _read_header
+    header = _read_header(str(path))
+    ends = sorted((info["data_offsets"][1], k) for k, info in header.items()
+                  if not k.startswith("__"))
+    size = path.stat().st_size
+    cut = header["__data_start__"] + ends[-2][0] + 3  # 3 bytes into the last tensor
+    path.write_bytes(path.read_bytes()[:cut])
+    last = ends[-1][1]
+    # It was "cannot reshape array of size 0 into shape (32,)", naming nothing.
+    with pytest.raises(ValueError, match=rf"{path}.*{cut} bytes.*{size}.*{last}"):
+        models.load_hf(str(tmp_path))
+
+
+def test_config_json_that_is_not_json_names_its_path(tmp_path):
+    make_hf_model("qwen2", tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2",')
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'} is not valid JSON.*line 1"):
+        models.load_hf(str(tmp_path))
+    from lrl.models import vl_io
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'} is not valid JSON"):
+        vl_io.load_hf_vl(str(tmp_path))

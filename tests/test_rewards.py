@@ -1,6 +1,7 @@
 """Rewards: each reward on tricky inputs, the registry and weighted specs, and the worker pool
 (timeouts and errors score 0 and are counted; a hung worker is replaced and the pool goes on).
 """
+import logging
 import os
 import threading
 import time
@@ -230,7 +231,8 @@ def test_combine_weights_and_spec_forms():
 
 @pytest.fixture(scope="module")
 def pool():
-    with rewards.RewardPool("test_dispatch", num_workers=2, timeout_s=1.5) as p:
+    # Never stops on failures: the tests using it make the workers fail on purpose.
+    with rewards.RewardPool("test_dispatch", num_workers=2, timeout_s=1.5, fail_patience=0) as p:
         yield p
 
 
@@ -261,6 +263,14 @@ def test_pool_scores_in_order_and_counts_timeouts_and_errors(pool):
     assert pool.score([])[0].shape == (0,)
 
 
+def test_a_dead_worker_is_reported_with_its_exit_code(pool, caplog):
+    with caplog.at_level(logging.WARNING, logger="lrl.rewards.pool"):
+        scores, stats = pool.score([("exit", "1", {})])
+    assert scores.tolist() == [0.0] and stats["n_error"] == 1
+    # The code was read before the process was joined, so it said "exit code None".
+    assert "worker died, exit code 3" in caplog.text
+
+
 def test_pool_with_a_weighted_spec_reports_each_term():
     with rewards.RewardPool([("math", 1.0), ("format", 0.5)], num_workers=1, timeout_s=5) as p:
         scores, stats = p.score([("<think>a</think>\\boxed{3}", "3", {}),
@@ -282,6 +292,45 @@ def test_in_process_pool_times_out_in_a_thread_and_counts():
     assert (stats["n_timeout"], stats["n_error"]) == (1, 1)
     no_limit = rewards.RewardPool("math", num_workers=0, timeout_s=None)
     assert no_limit.score([(r"\boxed{3}", "3.0", {})])[0].tolist() == [1.0]
+
+
+def test_a_reward_failing_every_call_stops_the_run_after_patience_calls(caplog):
+    bad = [("raise", "1", {})] * 4
+    p = rewards.RewardPool("test_dispatch", num_workers=0, timeout_s=None)  # defaults: 1.0, 3
+    assert (p.fail_frac, p.fail_patience) == (1.0, 3)
+    for _ in range(2):  # it used to warn and score 0 forever
+        assert p.score(bad)[0].tolist() == [0.0] * 4
+    p.score([(r"\boxed{1}", "1", {})] + bad)  # one item scored: the count starts over
+    p.score(bad)
+    p.score(bad)
+    with pytest.raises(rewards.RewardFailure, match=r"'test_dispatch'.*every item of 3 scoring "
+                       r"calls in a row.*reward.fail_frac=1.0.*first error: item 0: error: "
+                       r"RuntimeError: checker crashed"):
+        p.score(bad)
+    # A fraction below 1 counts a call with that share of failures; patience 0 never stops.
+    half = [(r"\boxed{1}", "1", {})] * 2 + bad[:2]
+    p = rewards.RewardPool("test_dispatch", num_workers=0, timeout_s=None, fail_frac=0.5,
+                           fail_patience=2)
+    p.score(half)
+    with pytest.raises(rewards.RewardFailure, match=r"at least 50% of the items of 2 scoring"):
+        p.score(half)
+    p = rewards.RewardPool("test_dispatch", num_workers=0, timeout_s=None, fail_patience=0)
+    for _ in range(5):
+        p.score(bad)
+    with pytest.raises(ValueError, match="fail_frac"):
+        rewards.RewardPool("math", num_workers=0, fail_frac=0.0)
+
+
+def test_worker_pool_stops_too_and_the_configs_set_the_limits():
+    from lrl import config_util, experiment
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in ("default.py", "video_synthetic.py"):
+        cfg = config_util.load(os.path.join(root, "configs", name))
+        cfg.reward.update(spec="test_dispatch:1.0", num_workers=1, fail_patience=1)
+        with experiment.reward_pool(experiment.options(cfg, check_files=False)) as p:
+            assert (p.fail_frac, p.fail_patience) == (cfg.reward.fail_frac, 1)
+            with pytest.raises(rewards.RewardFailure, match="worker died, exit code 3"):
+                p.score([("exit", "1", {})])
 
 
 def test_pool_rejects_bad_arguments():

@@ -7,7 +7,8 @@ P prompts (per process and batch) · T query positions (of a packed row).
   MapDataset.source -> shuffle(seed) -> repeat(num_epochs)     (a new order every epoch)
     -> [process_index::process_count]                          (disjoint per-process shards)
     -> map(tokenize through the chat template)                 (grain reader threads)
-    -> drop prompts longer than max_prompt_len, COUNTED
+       (a prompt of more characters than max_prompt_len tokens can cover is not tokenized)
+    -> drop prompts longer than max_prompt_len, COUNTED and the first ones logged
     -> batches of P, ordered so each of `num_data_shards` consecutive blocks of P / shards
        prompts has a close token total (the rollout gives block d to data shard d)
 
@@ -44,6 +45,20 @@ def render_prompt(tokenizer, messages: list[dict], chat_template: bool = True) -
 
 def _encode(tokenizer, text: str) -> np.ndarray:
     return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)
+
+
+# A Unicode normaliser (NFC, as Qwen's tokenizer has) may compose up to 4 code points into
+# one (the longest canonical decomposition in Unicode has 4), shrinking the text it tokenizes.
+_NORMALISER_SLACK = 4
+_MAX_LOGGED = 20
+
+
+def max_chars(tokenizer, max_tokens: int) -> int:
+    """Characters above which a text surely has more than `max_tokens` tokens: no token covers
+    more characters than its vocabulary string (a byte-level BPE string has one character per
+    byte), times the normaliser slack. Longer texts are dropped without being tokenized: the
+    tokenizer took 5 s on one 4 MB prompt, and minutes on a 120 MB jsonl line."""
+    return max_tokens * max(len(t) for t in tokenizer.get_vocab()) * _NORMALISER_SLACK
 
 
 def tokenize_prompt(tokenizer, messages: list[dict], chat_template: bool = True) -> np.ndarray:
@@ -108,6 +123,7 @@ class _GrainIterator:
                         "process_count": process_count, **config}
         self._shard_len = -(-len(source) // process_count)
         self._counters = {"seen": 0, "dropped_too_long": 0, "batches": 0, "epoch": 0}
+        self._logged_drops = 0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self
@@ -118,8 +134,16 @@ class _GrainIterator:
         self._counters["epoch"] = int(rec["epoch"])
         return rec
 
-    def _dropped(self, consecutive: int, what: str) -> None:
+    def _dropped(self, consecutive: int, what: str, rec=None, size: str = "") -> None:
         self._counters["dropped_too_long"] += 1
+        if rec is not None and self._logged_drops < _MAX_LOGGED:
+            self._logged_drops += 1
+            where = rec["metadata"]
+            place = (f"{where['file']} line {where['line']}" if "line" in where else
+                     f"{where['file']} row {where['row']}" if "row" in where else str(where))
+            logging.warning("dropping %s: %s, over %s%s", place, size, what,
+                            "" if self._logged_drops < _MAX_LOGGED else
+                            " (further drops are only counted, in data/dropped_too_long)")
         if consecutive > self._shard_len:  # a whole pass without one usable record
             raise ValueError(f"every record of {self.source!r} is over the length limit "
                              f"({what})")
@@ -168,8 +192,13 @@ class PromptIterator(_GrainIterator):
                              f"multiple of num_data_shards={num_data_shards}")
         render_prompt(tokenizer, [{"role": "user", "content": "x"}], chat_template)  # fail early
 
+        limit = max_chars(tokenizer, max_prompt_len)
+
         def tokenize(ex):
-            ids = tokenize_prompt(tokenizer, ex["messages"], chat_template)
+            text = render_prompt(tokenizer, ex["messages"], chat_template)
+            if len(text) > limit:  # surely too long: not tokenized, and not kept in memory
+                return {"metadata": ex["metadata"], "num_chars": len(text), "num_tokens": None}
+            ids = _encode(tokenizer, text)
             return {**ex, "prompt_ids": ids, "num_tokens": len(ids)}
 
         self.batch_size, self.max_prompt_len = batch_size, max_prompt_len
@@ -182,10 +211,11 @@ class PromptIterator(_GrainIterator):
         records, consecutive = [], 0
         while len(records) < self.batch_size:
             rec = self._next_record()  # StopIteration ends a finite run
-            if rec["num_tokens"] > self.max_prompt_len:
+            if rec["num_tokens"] is None or rec["num_tokens"] > self.max_prompt_len:
                 consecutive += 1
-                self._dropped(consecutive, f"max_prompt_len={self.max_prompt_len}")
-                logging.debug("dropping prompt %s: %d tokens", rec["metadata"], rec["num_tokens"])
+                size = (f"{rec['num_chars']} characters" if rec["num_tokens"] is None else
+                        f"{rec['num_tokens']} tokens")
+                self._dropped(consecutive, f"max_prompt_len={self.max_prompt_len}", rec, size)
                 continue
             consecutive = 0
             records.append(rec)
@@ -216,10 +246,18 @@ class SFTIterator(_GrainIterator):
         if rows < 1 or row_len < 2:
             raise ValueError(f"SFTIterator: rows={rows} must be >= 1 and row_len={row_len} >= 2")
 
+        limit = max_chars(tokenizer, row_len)
+
         def tokenize(ex):
             if "response" not in ex:
                 raise ValueError(f"SFT record {ex.get('metadata')} has no 'response' "
                                  "(set response_field on the source)")
+            # A prompt (or, not truncating, a record) past the character bound cannot fit a
+            # row: dropped untokenized. A truncated response is tokenized whole.
+            chars = len(render_prompt(tokenizer, ex["messages"], chat_template))
+            if chars > limit or (not truncate and chars + len(ex["response"]) > limit):
+                return {"prompt_ids": None, "num_chars": chars + len(ex["response"]),
+                        "metadata": ex["metadata"]}
             p, r = tokenize_sft(tokenizer, ex, chat_template)
             return {"prompt_ids": p, "response_ids": r, "metadata": ex["metadata"]}
 
@@ -231,6 +269,8 @@ class SFTIterator(_GrainIterator):
                          {"rows": rows, "row_len": row_len, "truncate": truncate})
 
     def _fits(self, rec) -> bool:
+        if rec["prompt_ids"] is None:
+            return False
         p, r = len(rec["prompt_ids"]), len(rec["response_ids"])
         return p + r <= self.row_len or (self.truncate and p < self.row_len)
 
@@ -245,7 +285,9 @@ class SFTIterator(_GrainIterator):
                     break
                 if not self._fits(rec):
                     consecutive += 1
-                    self._dropped(consecutive, f"row_len={self.row_len}")
+                    size = (f"{rec['num_chars']} characters" if rec["prompt_ids"] is None else
+                            f"{len(rec['prompt_ids']) + len(rec['response_ids'])} tokens")
+                    self._dropped(consecutive, f"row_len={self.row_len}", rec, size)
                     continue
                 consecutive = 0
                 self._pending, self._pending_state = rec, state

@@ -156,12 +156,20 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def read_json(path: str):
+    """A JSON file's contents; one that does not parse is a ValueError naming the file."""
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
 def from_hf_dir(path: str, **overrides) -> ModelConfig:
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"no config.json in model directory {path!r}")
-    with open(config_path) as f:
-        return from_hf_dict(json.load(f), **overrides)
+    return from_hf_dict(read_json(config_path), **overrides)
 
 
 def to_hf_dict(cfg: ModelConfig) -> dict:

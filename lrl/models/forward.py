@@ -27,9 +27,46 @@ def ring_layout(cfg: ModelConfig, mesh, T: int):
     return jnp.asarray(perm), jnp.asarray(ring.inverse_permutation(perm))
 
 
+def _devices(x) -> str:
+    ids = sorted(d.id for d in x.sharding.device_set)
+    return f"{len(ids)} device{'s' if len(ids) > 1 else ''} {ids if len(ids) <= 8 else ''}"
+
+
+def check_mesh_inputs(params, arrays: dict, mesh) -> None:
+    """Called eagerly, a forward on `mesh` needs its arrays on the mesh's devices and rows that
+    data×fsdp divide; jax's own errors name neither argument nor remedy. Under jit (tracers)
+    nothing is checked: jit places the arguments, and its partitioner pads uneven rows."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    if any(isinstance(x, jax.core.Tracer) for x in [*(x for _, x in leaves), *arrays.values()]):
+        return
+    want = set(mesh.devices.flat)
+    for path, x in leaves:
+        if isinstance(x, jax.Array) and x.committed and x.sharding.device_set != want:
+            raise ValueError(
+                f"params{jax.tree_util.keystr(path)} lives on {_devices(x)}, not on the mesh's "
+                f"{len(want)} devices: load the parameters onto the mesh with "
+                "lrl.models.load_hf(path, mesh=mesh) (or jax.device_put(params, "
+                "lrl.models.param_shardings(cfg, mesh)))")
+    for name, x in arrays.items():
+        if isinstance(x, jax.Array) and x.committed and x.sharding.device_set != want:
+            raise ValueError(f"{name} lives on {_devices(x)}, not on the mesh's {len(want)} "
+                             "devices: pass a host (numpy) array, or put it with "
+                             "jax.device_put(x, lrl.mesh.batch_sharding(mesh))")
+    rows = jnp.shape(arrays["tokens_BT"])[0]
+    n = mesh.shape["data"] * mesh.shape["fsdp"]
+    if rows % n:
+        raise ValueError(f"tokens_BT has {rows} rows, which the mesh's data×fsdp = {n} "
+                         f"devices do not divide: pad the batch to a multiple of {n} rows (or "
+                         "call forward inside jax.jit, whose partitioner pads them)")
+
+
 def hidden_states(cfg: ModelConfig, params, tokens_BT, positions_BT=None,
                   segment_ids_BT=None, mesh=None):
     """Final-normalised hidden states [B, T, D] in the compute dtype."""
+    if mesh is not None:
+        given = dict(tokens_BT=tokens_BT, positions_BT=positions_BT,
+                     segment_ids_BT=segment_ids_BT)
+        check_mesh_inputs(params, {k: v for k, v in given.items() if v is not None}, mesh)
     tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
     if positions_BT is None:
         positions_BT = default_positions(tokens_BT, segment_ids_BT)
@@ -65,6 +102,8 @@ def unembedding(cfg: ModelConfig, params):
 def forward(cfg: ModelConfig, params, tokens_BT, positions_BT: Optional[jax.Array] = None,
             segment_ids_BT: Optional[jax.Array] = None, mesh=None):
     """float32 logits [B, T, V]. Materialises all logits: for long rows use
-    `hidden_states` and the chunked log-probs of `lrl.rl`."""
+    `hidden_states` and the chunked log-probs of `lrl.rl`. With `mesh`, the parameters must
+    live on its devices (`load_hf(path, mesh=mesh)`) and, called outside jit, B must be a
+    multiple of data×fsdp; either is otherwise a ValueError naming the argument."""
     x = hidden_states(cfg, params, tokens_BT, positions_BT, segment_ids_BT, mesh)
     return logits_from_hidden(x, unembedding(cfg, params))

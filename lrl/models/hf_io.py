@@ -88,8 +88,7 @@ class SafetensorsDir:
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = config_lib.read_json(index)["weight_map"]
         elif os.path.isfile(single):
             weight_map = None
         else:
@@ -142,6 +141,16 @@ def _read_header(path: str) -> dict:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path!r} has a corrupt safetensors header: {e}") from e
     header["__data_start__"] = 8 + n
+    # A cut file (an interrupted download or copy) would read as empty arrays, and fail far
+    # from here on a reshape that names neither the file nor the tensor.
+    size = os.path.getsize(path)
+    short = sorted((8 + n + info["data_offsets"][1], k) for k, info in header.items()
+                   if not k.startswith("__") and 8 + n + info["data_offsets"][1] > size)
+    if short:
+        raise ValueError(f"{path!r} is {size} bytes, shorter than its header says "
+                         f"({short[-1][0]} bytes): the file is truncated; tensor "
+                         f"{short[0][1]!r}" + (f" and {len(short) - 1} more lie" if len(short) > 1
+                                               else " lies") + " past its end")
     return header
 
 

@@ -9,7 +9,6 @@ D model width · F MLP width · L layers (the vision tower's own, in its tree).
 """
 from __future__ import annotations
 
-import json
 import os
 
 import jax
@@ -151,8 +150,7 @@ def load_hf_vl(path: str, dtype=jnp.float32, mesh=None, **text_overrides):
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"no config.json in model directory {path!r}")
-    with open(config_path) as f:
-        hf = json.load(f)
+    hf = config_lib.read_json(config_path)
     vl_cfg = vl_config_from_hf_dict(hf, **{"param_dtype": dtype, "dtype": dtype,
                                            **text_overrides})
     cfg = vl_cfg.text

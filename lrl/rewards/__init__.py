@@ -7,7 +7,7 @@ weighted combinations, and a process pool that scores with per-call timeouts.
     rewards, stats = pool.score([(completion, answer, meta), ...])
 """
 from lrl.rewards import format, match, math, synthetic, video
-from lrl.rewards.pool import RewardPool
+from lrl.rewards.pool import RewardFailure, RewardPool
 from lrl.rewards.registry import Term, combine, get, names, parse_spec, register, terms_of
 
 # The built-in rewards, registered here by name (worker processes import this package, so
@@ -20,4 +20,4 @@ register("choice")(match.choice_reward)
 register("synthetic")(synthetic.synthetic_reward)
 register("video")(video.video_reward)
 
-__all__ = ["RewardPool", "Term", "combine", "get", "names", "parse_spec", "register", "terms_of"]
+__all__ = ["RewardFailure", "RewardPool", "Term", "combine", "get", "names", "parse_spec", "register", "terms_of"]

@@ -1,12 +1,16 @@
 """Scoring completions in worker processes with a per-call timeout.
 
 `RewardPool(spec, num_workers, timeout_s).score(items)` scores (completion, answer, meta)
-items and returns float32 rewards plus counts of timeouts and errors; neither ever raises
-into the training loop. Each worker is a separate process that handles one call at a time,
-so the parent knows when every call started: a call over `timeout_s` gets its worker killed
-and replaced (a hung sympy simplification cannot be interrupted any other way), and the
-item scores 0. Workers come from a forkserver (or spawn) context, never from fork: the
-parent has JAX loaded, and fork after JAX's threads have started is unsafe.
+items and returns float32 rewards plus counts of timeouts and errors; a failed item scores 0
+and is counted. Only a reward that keeps failing stops the run: `fail_patience` scoring calls
+in a row (the loop makes one per rollout batch) in which at least `fail_frac` of the items
+failed raise `RewardFailure`, naming the reward and the first error of those calls.
+
+Each worker is a separate process that handles one call at a time, so the parent knows when
+every call started: a call over `timeout_s` gets its worker killed and replaced (a hung sympy
+simplification cannot be interrupted any other way), and the item scores 0. Workers come from
+a forkserver (or spawn) context, never from fork: the parent has JAX loaded, and fork after
+JAX's threads have started is unsafe.
 
 Rewards travel as registry names (`lrl.rewards.registry.Term`), and each worker imports the
 module that registered them, so a reward registered in a test file or a script works too.
@@ -62,6 +66,22 @@ def _worker_main(conn, terms: tuple[Term, ...]) -> None:
             conn.send((idx, "error", f"{type(e).__name__}: {e}"))
 
 
+class RewardFailure(RuntimeError):
+    """A reward failed (errors, timeouts) on too many items of too many scoring calls."""
+
+
+def _exit_status(process) -> str:
+    # The pipe closes before the process is reaped: its exit code is None until joined.
+    process.join(timeout=5)
+    code = process.exitcode
+    if code is not None and code < 0:
+        try:
+            return f"killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 @dataclasses.dataclass
 class _Worker:
     process: mp.process.BaseProcess
@@ -98,12 +118,19 @@ class RewardPool:
       mp_context: "forkserver" (default; workers fork from a clean server that has the reward
         modules preloaded, so a replacement starts fast) or "spawn".
       start_timeout_s: how long a new worker may take to import its rewards.
+      fail_frac: a scoring call in which at least this fraction of the items failed (error or
+        timeout) counts as failed; in (0, 1].
+      fail_patience: that many failed calls in a row raise `RewardFailure`; 0 never does.
     """
 
     def __init__(self, fn_or_spec, num_workers: int = 4, timeout_s: float | None = 10.0, *,
-                 mp_context: str = "forkserver", start_timeout_s: float = 120.0):
+                 mp_context: str = "forkserver", start_timeout_s: float = 120.0,
+                 fail_frac: float = 1.0, fail_patience: int = 3):
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if not 0.0 < fail_frac <= 1.0 or fail_patience < 0:
+            raise ValueError(f"need 0 < fail_frac <= 1 and fail_patience >= 0, got "
+                             f"fail_frac={fail_frac}, fail_patience={fail_patience}")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive or None, got {timeout_s}")
         if mp_context not in ("forkserver", "spawn"):
@@ -122,6 +149,9 @@ class RewardPool:
         self._workers: list[_Worker] = []
         self.n_restarts = 0
         self._first_failure: str | None = None
+        self.fail_frac, self.fail_patience = fail_frac, fail_patience
+        self._failed_calls = 0  # in a row
+        self._streak_first: str | None = None  # the first error of those calls
 
     # ----- worker processes -------------------------------------------------------------
 
@@ -209,7 +239,27 @@ class RewardPool:
         if self._first_failure is not None:
             log.warning("rewards: %d timeouts and %d errors in %d items, scored 0; first: %s",
                         stats["n_timeout"], stats["n_error"], len(items), self._first_failure)
+        self._count_failures(len(items), int(len(items) - ok.sum()))
         return rewards, stats
+
+    def _count_failures(self, n: int, failed: int) -> None:
+        # A reward that fails everywhere would otherwise only warn, scoring 0 for ever: the
+        # run would go on learning from nothing.
+        if not self.fail_patience or not n:
+            return
+        if failed < self.fail_frac * n:
+            self._failed_calls, self._streak_first = 0, None
+            return
+        self._failed_calls += 1
+        self._streak_first = self._streak_first or self._first_failure
+        if self._failed_calls >= self.fail_patience:
+            names = ", ".join(repr(t.name) for t in self.terms)
+            share = "every item" if self.fail_frac == 1.0 else \
+                f"at least {self.fail_frac:.0%} of the items"
+            raise RewardFailure(
+                f"reward {names} failed on {share} of {self._failed_calls} scoring calls in a "
+                f"row (reward.fail_frac={self.fail_frac}, reward.fail_patience="
+                f"{self.fail_patience}); first error: {self._streak_first}")
 
     def _report(self, idx: int, status: str, message: str) -> None:
         # Only the first failure of a call is logged: a broken reward fails on every item.
@@ -267,7 +317,7 @@ class RewardPool:
                 if w.state == "starting":
                     self._on_started(w, msg)
                 elif msg is None:  # the worker died mid-call (segfault, os._exit, OOM kill)
-                    finish(w.idx, "error", f"worker died, exit code {w.process.exitcode}")
+                    finish(w.idx, "error", f"worker died, {_exit_status(w.process)}")
                     self._replace(w)
                 else:
                     finish(w.idx, msg[1], msg[2])
@@ -310,7 +360,7 @@ class RewardPool:
         if msg is not None and msg[0] == "ready":
             w.state = "idle"
             return
-        detail = msg[1] if msg is not None else f"it exited with code {w.process.exitcode}"
+        detail = msg[1] if msg is not None else f"it died, {_exit_status(w.process)}"
         self.close()
         names = [t.name for t in self.terms]
         raise RuntimeError(f"reward worker failed to start ({names}): {detail}")

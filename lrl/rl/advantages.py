@@ -8,19 +8,37 @@ Dimension letters: P prompts in a rollout batch · G samples per prompt (group s
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_token")
+# verl's masked_whiten: (x - mean) * rsqrt(var + 1e-8).
+_WHITEN_VAR_EPS = 1e-8
 
 
-def advantages(rewards_PG, estimator: str = "grpo", eps: float = 1e-6):
-    """Advantages [P, G] from rewards [P, G].
+def advantages(rewards_PG, estimator: str = "grpo", eps: float = 1e-6, lengths_PG=None):
+    """Advantages [P, G] from rewards [P, G] (one scalar per sample; the loss gives it to every
+    token of the sample's response).
 
     grpo          (r - group mean) / (group std + eps), std with ddof=1 as verl and TRL.
     dr_grpo       r - group mean (Dr. GRPO drops the std division, which favours easy and
                   hopeless prompts).
     rloo          r_i - mean of the other G-1 rewards of the group (leave-one-out baseline).
-    reinforce_pp  r - group mean, then whitened over the whole batch
-                  ((x - batch mean) / (batch std + eps), std with ddof=1).
+    reinforce_pp  REINFORCE++ with a group baseline, each sample weighing one: r - group mean,
+                  then whitened over the P·G samples ((x - mean) / (std + eps), std ddof=1).
+                  The default REINFORCE++ form (it needs no lengths).
+    reinforce_pp_token  the same whitened over response TOKENS, as verl's
+                  reinforce_plus_plus_baseline: the centred score c_i stands on each of the
+                  lengths_PG[i] tokens of sample i, so longer responses weigh more; with
+                  N = Σ lengths, mean = Σ L_i c_i / N, var = Σ L_i (c_i - mean)² / (N - 1)
+                  (masked_whiten's unbiased variance), advantage (c_i - mean) · rsqrt(var +
+                  1e-8); `eps` is not used. The per-token value is the undiscounted outcome
+                  score: verl's other form, reinforce_plus_plus (no group baseline, the
+                  γ-discounted return of the score per token), is not implemented.
+
+    A group whose G rewards are all equal gets exactly 0 from every estimator (verl's
+    token-weighted form shifts such a group by -mean/std, a push that says nothing about the
+    group's samples). `lengths_PG` [P, G]: response tokens of each sample (what the loss
+    trains), needed by reinforce_pp_token only and ignored by the others.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"advantages: unknown estimator {estimator!r}; valid: {ESTIMATORS}")
@@ -32,15 +50,43 @@ def advantages(rewards_PG, estimator: str = "grpo", eps: float = 1e-6):
         raise ValueError(f"advantages: group size G={g}; a group baseline needs G >= 2 "
                          "samples per prompt")
     mean_P1 = r_PG.mean(axis=1, keepdims=True)
+    # A group whose rewards are all equal says nothing about which sample is better, so its
+    # advantage is exactly 0. Computing it would not give 0: the float32 mean of G copies of
+    # 0.7 rounds an ulp away from 0.7, and grpo divides that residual by a 1-ulp std.
+    informative_P1 = r_PG.max(axis=1, keepdims=True) > r_PG.min(axis=1, keepdims=True)
+    centred_PG = jnp.where(informative_P1, r_PG - mean_P1, 0.0)
     if estimator == "grpo":
         std_P1 = r_PG.std(axis=1, ddof=1, keepdims=True)
-        return (r_PG - mean_P1) / (std_P1 + eps)
+        return centred_PG / (std_P1 + eps)
     if estimator == "dr_grpo":
-        return r_PG - mean_P1
+        return centred_PG
     if estimator == "rloo":
         # Mean of the others = (sum - r_i) / (G - 1), so r_i minus it = G/(G-1) · (r_i - mean).
         others_PG = (r_PG.sum(axis=1, keepdims=True) - r_PG) / (g - 1)
-        return r_PG - others_PG
-    centred_PG = r_PG - mean_P1
-    # Whitening over the batch with the unbiased std (ddof=1), as verl's masked_whiten.
-    return (centred_PG - centred_PG.mean()) / (centred_PG.std(ddof=1) + eps)
+        return jnp.where(informative_P1, r_PG - others_PG, 0.0)
+    if estimator == "reinforce_pp":
+        # The batch mean of group-centred values is 0 up to rounding; the constant groups are
+        # kept at exactly 0 after the shift.
+        white_PG = (centred_PG - centred_PG.mean()) / (centred_PG.std(ddof=1) + eps)
+        return jnp.where(informative_P1, white_PG, 0.0)
+    w_PG = _token_counts(lengths_PG, r_PG.shape)
+    n = w_PG.sum()
+    mean = jnp.sum(w_PG * centred_PG) / n
+    var = jnp.sum(w_PG * (centred_PG - mean) ** 2) / (n - 1.0)
+    white_PG = (centred_PG - mean) / jnp.sqrt(var + _WHITEN_VAR_EPS)
+    return jnp.where(informative_P1, white_PG, 0.0)
+
+
+def _token_counts(lengths_PG, shape):
+    if lengths_PG is None:
+        raise ValueError("advantages: reinforce_pp_token needs lengths_PG (the response tokens "
+                         "of each sample) to weigh the samples by their tokens")
+    w_PG = np.asarray(lengths_PG, np.float32)  # host counts: the checks below need values
+    if w_PG.shape != tuple(shape):
+        raise ValueError(f"advantages: lengths_PG has shape {w_PG.shape}, rewards_PG "
+                         f"{tuple(shape)}")
+    total = float(w_PG.sum())
+    if total < 2:
+        raise ValueError(f"advantages: reinforce_pp_token whitens over tokens and needs at "
+                         f"least 2 response tokens in the batch, got {total:g}")
+    return jnp.asarray(w_PG)

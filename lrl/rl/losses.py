@@ -23,7 +23,15 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 RATIO_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 # Log-ratios are clamped before exp so one wild token cannot overflow (verl does the same).
+# The same clamp bounds every log-ratio that enters the loss: the PPO and TIS ratios, GSPO's
+# sequence log-ratio (verl caps that one at +10 only, so the two differ past +10 and below
+# -20), and the KL's ref - logp, which makes k1 lie in [-20, 20] and k2 in [0, 200] (verl
+# leaves both unbounded; they agree while |ref - logp| <= 20).
 _MAX_LOG_RATIO = 20.0
+# verl's cap of the k3 ("low_var_kl") estimate: e^d - d - 1 reaches it at d = ref - logp =
+# 2.611 (and at -11.0), and a token far from the reference would otherwise dominate the loss
+# (e^20 at the clamp). Past the cap the token's KL term has no gradient, as under torch.clamp.
+_MAX_K3 = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +119,7 @@ def _kl(logp_BT, ref_logp_BT, estimator: str):
         return -d_BT
     if estimator == "k2":
         return 0.5 * d_BT ** 2
-    return jnp.exp(d_BT) - d_BT - 1.0
+    return jnp.minimum(jnp.exp(d_BT) - d_BT - 1.0, _MAX_K3)
 
 
 def _check_terms(cfg: LossConfig, ref_logp, rollout_logp):
@@ -255,15 +263,17 @@ def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, *, clip_low=0.2, clip_high
     """Clipped policy-gradient loss of B sequences (one per row) -> (loss, metrics).
 
     ratio = exp(logp - old_logp) per token (`ratio_level="token"`) or, GSPO, the exp of the
-    masked mean log-ratio of the sequence (`"sequence"`); per-token loss
+    masked mean log-ratio of the sequence (`"sequence"`), either log-ratio clipped to
+    [-20, 20] (verl clips the token one alike, GSPO's sequence one at +10 only); per-token loss
     max(-A·ratio, -A·clip(ratio, 1-clip_low, 1+clip_high)) (clip-higher when clip_high >
     clip_low, as DAPO); `dual_clip=c` caps it at -c·A where A < 0 (as verl).
     aggregation: token_mean = sum / masked tokens (DAPO); seq_mean_token_mean = mean over
     sequences of each sequence's token mean (GRPO); seq_mean_token_sum_norm = sum /
     (B · max_len), max_len defaulting to T (Dr. GRPO).
-    KL to the reference (k1 = logp - ref, k2 = ½(logp - ref)², k3 = exp(ref - logp) -
-    (ref - logp) - 1) aggregated the same way, times kl_coef; minus entropy_coef × the
-    aggregated entropy. With `tis_cap`, the per-token policy term is weighted by
+    KL to the reference (k1 = logp - ref, k2 = ½(logp - ref)², k3 = min(exp(ref - logp) -
+    (ref - logp) - 1, 10) as verl's low_var_kl; ref - logp clipped to [-20, 20] first, so
+    k1 lies in [-20, 20] and k2 in [0, 200]) aggregated the same way, times kl_coef; minus
+    entropy_coef × the aggregated entropy. With `tis_cap`, the per-token policy term is weighted by
     min(exp(old_logp - rollout_logp), tis_cap), without gradient (truncated IS, as verl).
     """
     logp_BT = jnp.asarray(logp_BT)
