@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from lrl import checkpoint as ckpt_lib
+from lrl import console
 from lrl import distributed
 from lrl import experiment as ex
 from lrl import grpo
@@ -57,6 +58,7 @@ def run(config, workdir: str) -> dict:
     mesh = ex.build_mesh(config)
     tokenizer = ex.build_tokenizer(config, workdir)
     model_cfg = ex.model_config(config, tokenizer)
+    console.banner(config, workdir, mesh, model_cfg)
     sft_steps = config.sft.steps
     rl_steps = config.rl.steps if config.job == "grpo" else 0
     if config.job == "sft" and sft_steps < 1:
@@ -67,12 +69,15 @@ def run(config, workdir: str) -> dict:
             every_minutes=c.every_minutes) as ckpt:
         ckpt.save_tokenizer(tokenizer)
         writer = MetricsWriter(workdir, sft_steps + rl_steps,
-                               tensorboard=config.metrics.tensorboard)
+                               tensorboard=config.metrics.tensorboard,
+                               phases={"sft": sft_steps, "grpo": rl_steps})
         r = Run(config, workdir, mesh, tokenizer, model_cfg, ckpt, guard, writer)
         try:
-            return _run_phases(r, sft_steps, rl_steps)
+            out = _run_phases(r, sft_steps, rl_steps)
         finally:
             writer.close()
+    writer.summary()  # after the checkpoint manager has committed the last save
+    return out
 
 
 def _run_phases(r: Run, sft_steps: int, rl_steps: int) -> dict:
@@ -146,6 +151,7 @@ def sft_phase(r: Run, state, tx, steps: int, data_state: dict):
         it.set_state(data_state["sft_iter"])
     step_fn = make_sft_fn(r.model_cfg, tx, r.mesh)
     step = int(jax.device_get(state.step))
+    r.writer.begin_phase("sft", step, r.config)
     metrics, stopped = {}, False
     while step < steps:
         batch = next(it)
@@ -193,6 +199,7 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> 
     evaluator = Evaluator(r) if config.eval.every else None
     # GRPO steps, not optimizer updates (epochs x minibatches of them per step).
     step = int(data_state.get("step", 0))
+    r.writer.begin_phase("grpo", step, config)
     metrics = {}
     try:
         if evaluator and step == 0:  # the baseline: the policy as GRPO starts
