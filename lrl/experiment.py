@@ -120,11 +120,12 @@ def model_config(config, tokenizer) -> models.ModelConfig:
 
 def initial_params(config, cfg: models.ModelConfig, mesh):
     if config.model.hf_path:
-        _, params = models.load_hf(config.model.hf_path, dtype=cfg.param_dtype, mesh=mesh,
+        # load_hf's `dtype` is the compute dtype here; the master weights' is an override.
+        _, params = models.load_hf(config.model.hf_path, mesh=mesh,
                                    **{f.name: getattr(cfg, f.name) for f in
                                       dataclasses.fields(cfg) if f.name in
-                                      ("dtype", "attention", "attention_impl", "remat",
-                                       "param_shard_axes")})
+                                      ("dtype", "param_dtype", "attention", "attention_impl",
+                                       "remat", "param_shard_axes")})
         return params
     return models.init_params(cfg, jax.random.key(config.seed), mesh)
 
