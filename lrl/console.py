@@ -336,10 +336,10 @@ def summary_lines(rows: Iterable[dict], workdir: str, wall_s: float,
             (s0, r0), (s1, r1) = evals[0], evals[-1]
             best_s, best = max(evals, key=lambda e: e[1]["eval/reward/mean"])
             before = "before step 1" if s0 <= 0 else f"at step {s0}"
+            numbering = f"; {name.upper()} step n is run step {start}+n" if start else ""
             lines.append(f"   held-out reward {_num(r0['eval/reward/mean'])} {before} -> "
                          f"{_num(r1['eval/reward/mean'])} after step {s1} "
-                         f"(best {_num(best['eval/reward/mean'])} at step {best_s}; "
-                         f"{name.upper()} step n is run step {start}+n)")
+                         f"(best {_num(best['eval/reward/mean'])} at step {best_s}{numbering})")
         start += planned
     head = f"== done in {hms(wall_s)}: " + "; ".join(parts)
     out = [head, *lines, f"   outputs in {workdir}:"]
@@ -349,7 +349,8 @@ def summary_lines(rows: Iterable[dict], workdir: str, wall_s: float,
             continue
         if name == "checkpoints":
             steps = sorted(int(s) for s in os.listdir(path) if s.isdigit())
-            what = what.format(steps="steps " + ", ".join(map(str, steps)) if steps else "none")
+            listed = ("step " if len(steps) == 1 else "steps ") + ", ".join(map(str, steps))
+            what = what.format(steps=listed if steps else "none")
         what = what.format(path=path)
         shown = name + ("/" if os.path.isdir(path) else "")
         out.append(f"     {shown:<16} {what}")
