@@ -157,7 +157,7 @@ def held_out_text(scalars: Mapping[str, float]) -> str:
 
 class _Phase:
     def __init__(self, name: str, steps: int, start: int, eval_every: int = 0):
-        self.name, self.steps, self.start = name, steps, start
+        self.steps, self.start = steps, start
         self.every = print_every(steps, MAX_LINES.get(name))
         self.eval_every = eval_every
         self.step_s: list[float] = []     # plain steps after this process's first
@@ -209,14 +209,12 @@ class Progress:
         if local <= 0 and held_out and "loss" not in scalars:  # the eval before step 1
             ph.baseline_s = step_s
             return f"{head}  {held_out} before step 1 ({step_s:.1f} s, compile included)"
-        first = ph.seen == 0
+        first = ph.seen == 0  # compiles: neither a step time nor an eval cost
         ph.seen += 1
-        if first:
-            pass
-        elif held_out and ph.step_s:
-            ph.eval_s.append(max(step_s - statistics.median(ph.step_s[-WINDOW:]), 0.0))
-        elif not held_out:
+        if not first and not held_out:
             ph.step_s.append(step_s)
+        elif not first and ph.step_s:  # what the eval added to a plain step
+            ph.eval_s.append(max(step_s - statistics.median(ph.step_s[-WINDOW:]), 0.0))
         ph.since_print.append(step_s)
         due = first or held_out or local % ph.every == 0 or local == ph.steps
         if not due:
