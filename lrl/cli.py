@@ -70,6 +70,10 @@ def parse_flags(argv: list[str]) -> list[str]:
         sys.exit(0)
     try:
         rest = flags.FLAGS(argv)
+    except SystemExit as e:  # absl's --helpfull printed every flag, then exits 1: not an error
+        if e.code == 1 and any(a in ("--helpfull", "-helpfull") for a in argv[1:]):
+            sys.exit(0)
+        raise
     except (AttributeError, KeyError):  # ml_collections: an override naming no field
         message = unknown_field_message(argv)
         if message is None:

@@ -26,6 +26,8 @@ def test_help_exits_zero_and_says_how_to_list_the_fields():
     for needle in ("--config=", "--workdir=", "--config.FIELD=VALUE", "--print_config",
                    "--verbosity", "configs/default.py", "configs/qwen2_5_math.py"):
         assert needle in out.stdout, needle
+    out = _main("--helpfull", timeout=60)
+    assert out.returncode == 0 and "--verbosity" in out.stdout and "--workdir" in out.stdout
 
 
 @pytest.mark.parametrize("override,suggestion", [
