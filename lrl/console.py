@@ -21,6 +21,8 @@ from typing import Iterable, Mapping, Sequence
 MAX_LINES = {"sft": 30}  # progress lines of a long phase; phases not named: every step
 EVERY_STEP_UP_TO = 50
 WINDOW = 10           # recent steps the ETA's step time is the median of
+MIN_STEPS = 3         # plain steps before an ETA: the default's GRPO steps 2-3 still compile
+                      # (21 and 9.5 s against 7), and the ETA at step 2 was 3x the time left
 
 # Library lines that look alarming and mean nothing for an lrl run.
 _HARMLESS = (
@@ -109,11 +111,11 @@ def eta_seconds(step_s: Sequence[float], remaining: int, eval_s: Sequence[float]
     plain step times, plus `remaining_evals` evals at the mean of the last three eval costs.
 
     `step_s` must leave out a process's first step of the phase (it compiles) and steps with
-    an eval; `eval_s` is what an eval added to its step. None until one plain step is known:
-    an ETA from a compile step alone is the 1:54:08-for-ten-minutes kind."""
+    an eval; `eval_s` is what an eval added to its step. None until `MIN_STEPS` plain steps
+    are known: an ETA from compile steps is the 1:54:08-for-ten-minutes kind."""
     if remaining <= 0:
         return 0.0
-    if not step_s:
+    if len(step_s) < MIN_STEPS:
         return None
     eta = statistics.median(step_s[-window:]) * remaining
     if remaining_evals and eval_s:

@@ -90,6 +90,7 @@ def _main(*args, timeout=600):
 
 def test_eta_is_the_median_of_recent_steps_plus_the_evals_left():
     assert console.eta_seconds([], 10) is None  # no step but the compile one yet
+    assert console.eta_seconds([21.0, 9.5], 78) is None  # the next ones may still compile
     assert console.eta_seconds([1.0] * 5, 10) == pytest.approx(10.0)
     # SFT-speed steps long ago do not set the pace of slower recent ones.
     assert console.eta_seconds([0.8] * 300 + [3.0] * 10, 80) == pytest.approx(240.0)
