@@ -215,7 +215,7 @@ def export(checkpoint: str, output: str, step: Optional[int] = None, dtype: Opti
               "format": fmt, "files": sorted(set(files)), "max_rel_err": err,
               "skipped": [s for s, _, _ in got.skipped],
               "skipped_why": {s: why for s, _, why in got.skipped}}
-    log.info("export: %s", report)
+    log.debug("export: %s", report)  # main prints it; a caller has it returned
     return report
 
 
@@ -237,7 +237,8 @@ def main(argv=None) -> int:
     ap.add_argument("--params_key", default="params",
                     help="top-level entry of the state holding the parameters")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from lrl import console
+    console.setup_logging()
     try:
         report = export(args.checkpoint, args.output, step=args.step, dtype=args.dtype,
                         fmt=args.format, overwrite=args.overwrite, tokenizer=args.tokenizer,

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from lrl import checkpoint as ckpt_lib
+from lrl import console
 from lrl import distributed
 from lrl import experiment as ex
 from lrl import grpo, tasks
@@ -57,18 +58,22 @@ def run(config, workdir: str) -> dict:
     os.makedirs(workdir, exist_ok=True)
     mesh = ex.build_mesh(opts)
     task = tasks.build(opts, workdir, mesh)
+    console.banner(opts, workdir, mesh, task.model_cfg)
     c = opts.checkpoint
     with ckpt_lib.PreemptionGuard() as guard, ckpt_lib.CheckpointManager(
             os.path.join(workdir, "checkpoints"), keep=c.keep, every_steps=c.every_steps,
             every_minutes=c.every_minutes) as ckpt:
         ckpt.save_tokenizer(task.tokenizer)
         writer = MetricsWriter(workdir, opts.sft.steps + opts.rl_steps,
-                               tensorboard=opts.metrics.tensorboard)
+                               tensorboard=opts.metrics.tensorboard,
+                               phases={"sft": opts.sft.steps, "grpo": opts.rl_steps})
         r = Run(opts, as_dict(config), workdir, mesh, task, ckpt, guard, writer)
         try:
-            return _run_phases(r)
+            out = _run_phases(r)
         finally:
             writer.close()
+    writer.summary()  # after the checkpoint manager has committed the last save
+    return out
 
 
 def _run_phases(r: Run) -> dict:
@@ -126,6 +131,7 @@ def sft_phase(r: Run, state, tx, steps: int, data_state: dict):
         it.set_state(data_state["sft_iter"])
     step_fn = make_sft_fn(r.task.model_cfg, tx, r.mesh)
     step = int(jax.device_get(state.step))
+    r.writer.begin_phase("sft", step, r.opts)
     metrics, stopped = {}, False
     while step < steps:
         batch = next(it)
@@ -205,6 +211,7 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> 
     e = opts.eval
     held_out = r.task.eval_batches() if e.every else []
     step, metrics = int(data_state.get("step", 0)), {}
+    r.writer.begin_phase("grpo", step, opts)
     try:
         s = build_grpo(r, state, tx, pool)
         if held_out and step == 0:  # the baseline: the policy as GRPO starts

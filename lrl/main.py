@@ -1,25 +1,35 @@
 """Runs one lrl experiment: `python -m lrl.main --config=configs/X.py[:arg] --workdir=DIR`.
 
-Config fields are overridden with `--config.rl.group_size=16`; the config is locked, so an
-unknown key fails with its name. A `--workdir` that holds a checkpoint resumes that run.
+Config fields are overridden with `--config.rl.steps=40`; the config is locked, so an unknown
+key fails in one line naming the closest field. `--print_config` lists every field with its
+comment; `--help` says the rest. A `--workdir` that holds a checkpoint resumes that run.
 """
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
+
+from lrl import cli
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file (configs/*.py), optionally with ':arg'.",
     lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and plots go.")
-flags.mark_flags_as_required(["config", "workdir"])
+_PRINT = flags.DEFINE_bool("print_config", False,
+                           "Print the resolved config, each field with its comment, and exit.")
+flags.mark_flag_as_required("config")
 
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from lrl import loop  # after flag parsing, so --help stays fast
-    logging.set_verbosity(logging.INFO)
+        cli.fail(f"unexpected arguments {argv[1:]} (config overrides are --config.FIELD=VALUE)")
+    if _PRINT.value:
+        return cli.print_config(_CONFIG.value, flags.FLAGS["config"].config_filename)
+    if not _WORKDIR.value:
+        cli.fail("--workdir=DIR is required: where checkpoints, metrics and plots go")
+    from lrl import console
+    console.setup_logging(verbose=flags.FLAGS["verbosity"].present)
+    from lrl import loop  # after flag parsing and the log levels, so --help stays fast
     loop.run(_CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -1,6 +1,6 @@
-"""Metrics a person can follow: a console progress line with step time and ETA,
-`metrics.jsonl`, TensorBoard events, a PNG of reward and response length over steps, and
-sample completions in `samples.jsonl`. Only process 0 writes.
+"""Metrics a person can follow: the console's progress lines, phase banners and closing
+summary (their format and the ETA are `lrl.console`'s), `metrics.jsonl`, TensorBoard events,
+PNGs of each phase's curves, and sample completions in `samples.jsonl`. Only process 0 writes.
 
 A run that dies without saving (kill -9, OOM, a lost node) has logged the steps after its
 last checkpoint, and the resumed run logs them again. `MetricsWriter.resume(step, phase)`,
@@ -21,6 +21,8 @@ from typing import Any, Mapping
 
 import jax
 import numpy as np
+
+from lrl import console
 
 log = logging.getLogger(__name__)
 
@@ -100,13 +102,16 @@ class MetricsWriter:
                  "sft": ("loss", "token_accuracy_lb")}
 
     def __init__(self, workdir: str, total_steps: int, *, tensorboard: bool = True,
-                 stream=sys.stdout):
+                 stream=sys.stdout, phases: Mapping[str, int] | None = None):
+        """`phases`: the run's plan in order, e.g. {"sft": 300, "grpo": 80} (steps numbered
+        through the run); without it, one GRPO phase of `total_steps`."""
         self.workdir = workdir
         self.total = total_steps
+        self.phases = dict(phases) if phases is not None else {"grpo": total_steps}
+        self.progress = console.Progress(self.phases)
         self.primary = jax.process_index() == 0
         self.stream = stream
-        self._t0 = self._last = time.time()
-        self._step0 = None
+        self._started = self._last = time.time()
         self._tb = None
         # Opened at the first write, so that `resume` can set its purge step first.
         self._tb_dir = os.path.join(workdir, "tb") if tensorboard and self.primary else None
@@ -150,8 +155,6 @@ class MetricsWriter:
     def write(self, step: int, metrics: Mapping[str, Any], phase: str = "grpo") -> dict:
         """Records one step; returns the scalars written."""
         now = time.time()
-        if self._step0 is None:
-            self._step0, self._t0 = step - 1, self._last
         scalars = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
         scalars["time/step_s"] = now - self._last
         self._last = now
@@ -166,15 +169,30 @@ class MetricsWriter:
             for k, v in scalars.items():
                 tb.add_scalar(f"{phase}/{k}", v, step)
             tb.flush()
-        done = step - self._step0
-        eta = (now - self._t0) / max(done, 1) * max(self.total - step, 0)
-        shown = " ".join(f"{k}={scalars[k]:.4g}" for k in
-                         ("loss", "reward/mean", "response/length_mean", "grad_norm", "lr")
-                         if k in scalars)
-        bar = _bar(step, self.total)
-        print(f"[{phase}] {bar} {step}/{self.total} {scalars['time/step_s']:.2f}s/step "
-              f"ETA {_hms(eta)} {shown}", file=self.stream, flush=True)
+        line = self.progress.line(step, phase, scalars, scalars["time/step_s"])
+        if line:
+            print(line, file=self.stream, flush=True)
         return scalars
+
+    def begin_phase(self, phase: str, done: int = 0, config=None) -> None:
+        """Prints the phase's banner before its first step (which compiles, so waits);
+        `done`: its steps already done when resuming. Also restarts the step clock, so the
+        phase's first step is not charged the previous phase's wrap-up."""
+        about, eval_every = console.phase_about(config, phase) if config is not None else ("", 0)
+        text = self.progress.begin(phase, done, about, eval_every)
+        self._last = time.time()
+        if self.primary:
+            print(text, file=self.stream, flush=True)
+
+    def summary(self) -> None:
+        """The closing summary, from metrics.jsonl (so a resumed run's earlier steps count):
+        steps, loss / reward, held-out reward before and after, wall time, outputs."""
+        if not self.primary:
+            return
+        rows = read_rows(os.path.join(self.workdir, "metrics.jsonl"))
+        lines = console.summary_lines(rows, self.workdir, time.time() - self._started,
+                                      self.phases)
+        print("\n".join(lines), file=self.stream, flush=True)
 
     def samples(self, step: int, records: list[dict]) -> None:
         self._written = True
@@ -216,7 +234,10 @@ class MetricsWriter:
                 ax.legend()
             ax.set_ylabel(key)
             ax.grid(alpha=0.3)
-        axes[-1, 0].set_xlabel(f"{phase} step")
+        # Steps are numbered through the run: after 300 SFT steps, GRPO step 1 is step 301.
+        start = self.progress.start(phase)
+        axes[-1, 0].set_xlabel(f"{phase} step" if not start else
+                               f"step of the run ({phase} step n is step {start}+n)")
         fig.tight_layout()
         path = os.path.join(self.workdir, f"{phase}_curves.png")
         fig.savefig(path, dpi=100)
@@ -228,13 +249,3 @@ class MetricsWriter:
             self._samples.close()
             if self._tb is not None:
                 self._tb.close()
-
-
-def _bar(step: int, total: int, width: int = 20) -> str:
-    filled = int(width * min(step / max(total, 1), 1.0))
-    return "[" + "#" * filled + "." * (width - filled) + "]"
-
-
-def _hms(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

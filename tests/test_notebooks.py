@@ -68,6 +68,24 @@ def test_notebooks_are_clean_and_first_cell_installs():
         first = code[0].source
         assert "pip" in first and "LRL_SKIP_INSTALL" in first and "requirements.txt" in first
         assert "LRL_NOTEBOOK_SMOKE" in first, name
+        # On Colab the cell clones the repository from a URL the user sets in the cell itself.
+        assert 'LRL_REPO = os.environ.get("LRL_REPO", "")' in first, name
+        assert '"git", "clone", "--depth=1", LRL_REPO' in first, name
+
+
+def test_notebooks_describe_the_task_they_run():
+    """The default config's synthetic task is arithmetic; the notebooks must say that."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("default_cfg",
+                                                  os.path.join(ROOT, "configs", "default.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    task = mod.get_config().data.task
+    assert task == "arithmetic"
+    for name in ("quickstart", "export"):
+        nb = nbformat.read(os.path.join(NOTEBOOKS, f"{name}.ipynb"), as_version=4)
+        text = " ".join(c.source for c in nb.cells if c.cell_type == "markdown")
+        assert "arithmetic" in text and "key-value" not in text, name
 
 
 def test_quickstart(tmp_path, monkeypatch):

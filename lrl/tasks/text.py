@@ -146,11 +146,12 @@ def model_config(opts, tokenizer) -> models.ModelConfig:
 
 def initial_params(opts, cfg: models.ModelConfig, mesh):
     if opts.model.hf_path:
-        _, params = models.load_hf(opts.model.hf_path, dtype=cfg.param_dtype, mesh=mesh,
+        # load_hf's `dtype` is the compute dtype here; the master weights' is an override.
+        _, params = models.load_hf(opts.model.hf_path, mesh=mesh,
                                    **{f.name: getattr(cfg, f.name) for f in
                                       dataclasses.fields(cfg) if f.name in
-                                      ("dtype", "attention", "attention_impl", "remat",
-                                       "param_shard_axes")})
+                                      ("dtype", "param_dtype", "attention", "attention_impl",
+                                       "remat", "param_shard_axes")})
         return params
     return models.init_params(cfg, jax.random.key(opts.seed), mesh)
 
