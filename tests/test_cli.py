@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from lrl import cli, config_util, experiment
+from lrl import cli, config_util
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, "configs", "default.py")
