@@ -145,8 +145,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.reward.fail_patience = 3       # that many failed calls in a row stop the run; 0: never
 
     # --- rollout engine ---------------------------------------------------------------------
+    # Built once for the run: its pool, compiled programs and decode-layout weights are kept.
     c.rollout = ml_collections.ConfigDict(dict(
-        page_size=16, max_slots=128, pool_tokens=0,
+        page_size=16, max_slots=128,
+        pool_tokens=0,               # 0: pool_fraction of the device memory the train state
+        pool_fraction=0.4,           # leaves (capped at every slot's longest sample; a CPU,
+                                     # which reports no memory, gets exactly that)
+        prefill_tokens=2048,         # tokens of one prefill call: prompts share its rows
         sp_min_tokens=0))            # with ring/ulysses over seq > 1: prompts of at least this
                                      # many tokens are prefilled sequence-parallel
 

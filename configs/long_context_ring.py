@@ -46,7 +46,7 @@ def get_config(arg: str | None = None):
     c.rl.loss.update(clip_low=0.2, clip_high=0.28, aggregation="token_mean")
     c.optim.update(lr=1e-6, warmup_steps=5, weight_decay=0.0, b2=0.999, clip_norm=1.0)
     c.reward.update(spec="exact:1.0", num_workers=8, timeout_s=10.0)
-    c.rollout.update(page_size=64, max_slots=64, pool_tokens=0,
+    c.rollout.update(page_size=64, max_slots=64, pool_tokens=0, prefill_tokens=16384,
                      sp_min_tokens=8192)   # prompts this long prefill over the 8 seq devices
     c.eval.update(every=20, num_prompts=64, k=4, temperature=0.6)
     c.checkpoint.update(every_steps=5, every_minutes=30.0, keep=3)
@@ -64,7 +64,7 @@ def get_config(arg: str | None = None):
                     max_tokens_per_micro=512, dynamic_sampling=False, overlong="none",
                     logprob_chunk=256)
         c.reward.update(spec="synthetic:1.0", num_workers=0)
-        c.rollout.update(page_size=16, max_slots=8, sp_min_tokens=48)
+        c.rollout.update(page_size=16, max_slots=8, sp_min_tokens=48, prefill_tokens=1024)
         c.eval.update(every=2, num_prompts=4, k=2, temperature=1.0)
         c.checkpoint.update(every_steps=1, every_minutes=0.0, keep=2)
         c.metrics.tensorboard = False

@@ -38,7 +38,8 @@ def get_config(arg: str | None = None):
     c.optim.update(lr=1e-6, warmup_steps=10, weight_decay=0.0, b1=0.9, b2=0.999,
                    clip_norm=1.0)
     c.reward.update(spec="math:1.0", num_workers=16, timeout_s=10.0)
-    c.rollout.update(page_size=16, max_slots=256, pool_tokens=0)
+    c.rollout.update(page_size=16, max_slots=256, pool_tokens=0, pool_fraction=0.4,
+                     prefill_tokens=16384)
     c.eval.update(every=20, num_prompts=256, k=4, temperature=0.6)
     c.checkpoint.update(every_steps=10, every_minutes=30.0, keep=3)
     return c

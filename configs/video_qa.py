@@ -59,7 +59,8 @@ def get_config(arg: str | None = None):
     c.rl.loss.update(clip_low=0.2, clip_high=0.28, aggregation="token_mean", kl_coef=0.0)
     c.optim.update(lr=1e-6, warmup_steps=10, weight_decay=0.0, b1=0.9, b2=0.999, clip_norm=1.0)
     c.reward.update(spec="choice:1.0", num_workers=8, timeout_s=10.0)
-    c.rollout.update(page_size=16, max_slots=128, pool_tokens=0, sp_min_tokens=1024)
+    c.rollout.update(page_size=16, max_slots=128, pool_tokens=0, prefill_tokens=16384,
+                     sp_min_tokens=1024)
     c.eval.update(every=20, num_prompts=128, k=4, temperature=1.0)
     c.checkpoint.update(every_steps=10, every_minutes=30.0, keep=3)
     if a.runlocal:  # a tiny random policy on CPU; data.paths must still be given
@@ -71,7 +72,7 @@ def get_config(arg: str | None = None):
                     max_tokens_per_micro=512, minibatches=1, overlong="none")
         c.optim.update(lr=1e-3, warmup_steps=1)
         c.reward.update(num_workers=0)
-        c.rollout.update(max_slots=16, sp_min_tokens=0)
+        c.rollout.update(max_slots=16, sp_min_tokens=0, prefill_tokens=1024)
         c.eval.update(every=2, num_prompts=2, k=2)
         c.checkpoint.update(every_steps=1, every_minutes=0.0, keep=2)
     return c

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
-from lrl import distributed, rl, rollout
+from lrl import compiles, distributed, rl, rollout
 from lrl import mesh as mesh_lib
 from lrl.data import packing
 from lrl.tasks import Prompt
@@ -91,6 +91,9 @@ class Setup:
     max_len: Optional[int] = None # the loss's max_len (seq_mean_token_sum_norm)
     prefill: Optional[Callable] = None   # sequence-parallel prefill of long prompts
     ref_params: object = None     # the frozen reference, when KL is on
+    engine: object = None         # the run's rollout engine (None: one per call, sized for it)
+    decode: object = None         # rollout.weights.DecodeWeights for that engine
+    max_new_fn: Optional[Callable] = None   # benchmarks only: a sample's forced length
 
 
 # ----------------------------------------------------------------------------- rollout
@@ -109,7 +112,9 @@ def rollout_groups(s: Setup, params, prompts: list[Prompt], *, group_size: int, 
         pool_tokens=s.rollout.pool_tokens or None, mesh=s.mesh, stats=stats,
         prompt_embeds=[p.embeds for p in prompts] if multimodal else None,
         prompt_positions=[p.positions for p in prompts] if multimodal else None,
-        prefill_fn=s.prefill)
+        prefill_fn=s.prefill, engine=s.engine,
+        decode_params=s.decode.refresh(params) if s.decode is not None else None,
+        max_new_fn=s.max_new_fn)
     completions = tuple(np.asarray(ids, np.int32) for per in outs for ids, _ in per)
     logps = tuple(np.asarray(lp, np.float32) for per in outs for _, lp in per)
     eos = set(int(e) for e in s.eos_ids)
@@ -355,6 +360,7 @@ def updates(s: Setup, state, batches: list[Minibatch]):
 
 def step(s: Setup, state, it, step_index: int):
     """One GRPO step -> (new state, metrics, the step's groups)."""
+    before = compiles.snapshot()
     groups, m = collect(s, state.params, it, step_index)
     groups, weight = shape_overlong(groups, s.rl)
     adv_PG = advantages(groups, s.rl.estimator)
@@ -371,7 +377,10 @@ def step(s: Setup, state, it, step_index: int):
               "advantage/abs_mean": float(np.abs(adv_PG).mean()),
               "pack/micro_batches": sum(len(b.micro) for b in batches),
               "pack/tokens": tokens, "pack/fill": tokens / max(slots, 1),
-              "pack/truncated": truncated})
+              "pack/truncated": truncated,
+              # programs compiled in this step (0 once the run's shapes are all known)
+              "compiles/step": sum(compiles.since(before).values()),
+              "compiles/total": compiles.total()})
     return state, m, groups
 
 

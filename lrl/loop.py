@@ -29,7 +29,11 @@ from lrl.rl import budget as budget_lib
 from lrl.rl import train as train_lib
 from lrl.rl import update as update_lib
 from lrl.rl.sft import make_sft_fn
+from lrl import rollout as rollout_lib
+from lrl.rollout import pages as pages_lib
 from lrl.rollout import sp_prefill
+from lrl.rollout import weights as weights_lib
+from lrl.rollout.pages import pages_for
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +163,8 @@ def build_grpo(r: Run, state, tx, pool) -> grpo.Setup:
     opts, task, mesh = r.opts, r.task, r.mesh
     rl_ = opts.rl
     loss_cfg = ex.loss_config(opts)
+    # The engine first: its pool stays for the run, and the update's budget is what is left.
+    engine, decode = _engine(r, state)
     kw = dict(chunk=rl_.logprob_chunk, hidden=task.hidden, extra_keys=task.extra_keys)
     update = update_lib.make_update_programs(task.model_cfg, loss_cfg, tx, mesh,
                                              fused_head=rl_.fused_head, **kw)
@@ -190,10 +196,46 @@ def build_grpo(r: Run, state, tx, pool) -> grpo.Setup:
         rl=rl_, rollout=opts.rollout, seed=opts.seed, task=task, tokenizer=task.tokenizer,
         model_cfg=task.model_cfg, mesh=mesh, eos_ids=r.eos_ids, pool=pool, update=update,
         logprobs=logp_fn, shards=shards, row_len=budget.row_len,
-        rows_per_shard=budget.rows_per_shard, max_segments=MAX_SEGMENTS,
-        max_len=loss_cfg.max_len, prefill=prefill,
+        # A row of MAX_SEGMENTS sequences would have one run more: its padding.
+        rows_per_shard=budget.rows_per_shard, max_segments=MAX_SEGMENTS - 1,
+        max_len=loss_cfg.max_len, prefill=prefill, engine=engine, decode=decode,
         # The frozen reference: the policy as this phase starts.
         ref_params=jax.tree.map(lambda x: x.copy(), state.params) if kl else None)
+
+
+def _engine(r: Run, state):
+    """The rollout engine for the whole run, sized from the options: slots, the longest prompt
+    and completion, a pool of `rollout.pool_tokens` or `rollout.pool_fraction` of the memory
+    free now (never more than every slot's longest sample needs), with its pool allocated
+    now; and the decode-layout weights, relaid in place each step."""
+    opts, cfg = r.opts, r.task.model_cfg
+    ro, rl_ = opts.rollout, opts.rl
+    prompt, new = options_lib.longest_prompt(opts), rl_.max_new_tokens
+    ps = ro.page_size
+    decode = weights_lib.DecodeWeights(cfg, r.mesh)
+    decode.refresh(state.params)   # allocated before the pool is sized
+    # Every slot's longest sample, and a prefix of the longest prompt beside each.
+    full = ro.max_slots * (pages_for(prompt + new - 1, ps) + pages_for(prompt, ps)) + 1
+    if ro.pool_tokens:
+        num_pages = pages_lib.num_pages_for_tokens(ro.pool_tokens, ps)
+    elif budget_lib.device_memory(jax.local_devices()[0]) is not None:
+        tensor = r.mesh.shape["tensor"]
+        shards = tensor if cfg.n_kv_heads % tensor == 0 else 1
+        num_pages = min(full, pages_lib.num_pages_for_memory(cfg, ps, ro.pool_fraction,
+                                                              kv_shards=shards))
+    else:
+        num_pages = full
+    ecfg = rollout_lib.engine_config(
+        cfg, max_prompt_len=prompt, max_new_tokens=new, max_slots=ro.max_slots,
+        num_pages=num_pages, page_size=ps, prefill_tokens=ro.prefill_tokens,
+        eos_ids=r.eos_ids,
+        sampling=rollout_lib.SamplingParams(rl_.temperature, rl_.top_k, rl_.top_p))
+    engine = rollout_lib.Engine(cfg, ecfg, r.mesh)
+    engine.keep_state(engine.take_state())
+    log.info("rollout engine: %d slots, %d pages of %d tokens (%d tokens), prefill calls of "
+             "%d x %d", ro.max_slots, num_pages, ps, num_pages * ps, ecfg.rows_per_prefill,
+             ecfg.prefill_chunk)
+    return engine, decode
 
 
 def _bytes(tree) -> int:

@@ -268,7 +268,9 @@ class RewardOptions:
 class RolloutOptions:
     page_size: int = _opt(ge=1)
     max_slots: int = _opt(ge=1)
-    pool_tokens: int = _opt(ge=0)       # 0 = enough for the batch
+    pool_tokens: int = _opt(ge=0)       # 0 = from pool_fraction (or every slot's longest sample)
+    pool_fraction: float = _opt(gt=0, le=1)   # of the device memory free after the train state
+    prefill_tokens: int = _opt(ge=16)   # tokens of one prefill call (rows x chunk)
     sp_min_tokens: int = _opt(ge=0)     # prompts this long prefill over seq (ring/ulysses)
 
 
@@ -431,6 +433,14 @@ def longest_sample(o: Options) -> Optional[int]:
     if o.task == "text":
         return o.data.max_prompt_len + o.rl.max_new_tokens
     return None
+
+
+def longest_prompt(o: Options) -> int:
+    """The most tokens a prompt can have: text prompts are cut at data.max_prompt_len; a
+    video prompt must leave room in a packed row for its completion."""
+    if o.task == "text":
+        return o.data.max_prompt_len
+    return max(1, o.rl.row_len - o.rl.max_new_tokens)
 
 
 def _check_budget(o: Options) -> None:

@@ -218,8 +218,7 @@ def test_chunked_prefill_equals_one_shot(tiny):
     caches = []
     for chunk in (4, 32):
         ecfg = EngineConfig(page_size=4, num_pages=12, max_slots=1, max_pages_per_slot=8,
-                            prefill_chunk=chunk, min_prefill_bucket=4, prefill_block_pages=2,
-                            decode_block_pages=2)
+                            prefill_chunk=chunk, prefill_block_pages=2, decode_block_pages=2)
         engine = Engine(cfg, ecfg)
         prefix, state = engine.prefill(params, engine.init_decode_state(), prompt)
         P = ecfg.num_pages
@@ -234,27 +233,41 @@ def test_chunked_prefill_equals_one_shot(tiny):
     np.testing.assert_allclose(v4, v32, atol=1e-5)
 
 
-def test_short_prompts_batch_up_to_prefill_batch_tokens(tiny):
-    """Five prompts of one 16-token bucket: 32 tokens a call makes three calls of two rows
-    (the last padded), one call with the default; the rollouts and their pools agree."""
+def test_short_prompts_share_prefill_rows_in_calls_of_one_shape(tiny):
+    """Six prompts of 3 to 16 tokens packed first-fit into rows of 16 (four rows), two rows a
+    call: two calls of one [2, 16] shape; the pages equal those of one row a call; other
+    lengths compile nothing new."""
+    from lrl.rollout import steps
     _, cfg, params, _ = tiny("qwen2")
-    prompts = _prompts(cfg, [9, 12, 16, 11, 14], seed=5)
+    prompts = _prompts(cfg, [9, 12, 16, 4, 7, 3], seed=5)   # 8, 11, 15, 3, 6, 2 cached
     runs = []
-    for batch_tokens in (32, 16384):
-        ecfg = EngineConfig(page_size=4, num_pages=40, max_slots=5, max_pages_per_slot=8,
+    for batch_tokens in (32, 16):
+        ecfg = EngineConfig(page_size=4, num_pages=40, max_slots=6, max_pages_per_slot=8,
                             prefill_chunk=16, prefill_batch_tokens=batch_tokens,
                             prefill_block_pages=2, decode_block_pages=2)
         engine = Engine(cfg, ecfg)
         calls = []
-        call = engine._prefill_call
-        engine._prefill_call = lambda *a, **k: calls.append(len(a[3])) or call(*a, **k)
+        call = engine._packed_call
+        engine._packed_call = lambda *a, **k: calls.append([len(r) for r in a[3]]) or call(*a, **k)
         prefixes = [engine.reserve_prefix(p) for p in prompts]
         state = engine.run_prefill(engine.decode_params(params), engine.init_decode_state(),
                                    prefixes)
         runs.append((calls, [np.asarray(state.k_pages)[:, pre.pages] for pre in prefixes]))
-    assert runs[0][0] == [2, 2, 1] and runs[1][0] == [5]
+    # first fit of 8, 11, 15, 3, 6, 2 into 16: rows 8+3+2 | 11 | 15 | 6
+    assert runs[0][0] == [[3, 1], [1, 1]]
+    assert sum(len(c) for c in runs[1][0]) == 4 and all(len(c) == 1 for c in runs[1][0])
     for a, b in zip(runs[0][1], runs[1][1]):
         np.testing.assert_allclose(a, b, atol=1e-5)
+    n = steps.prefill_packed._cache_size()
+    engine = Engine(cfg, EngineConfig(page_size=4, num_pages=40, max_slots=6,
+                                      max_pages_per_slot=8, prefill_chunk=16,
+                                      prefill_batch_tokens=32, prefill_block_pages=2,
+                                      decode_block_pages=2))
+    for lengths in ([5, 6], [16, 2, 9, 13, 4]):   # other lengths, the same call shape
+        pre = [engine.reserve_prefix(p) for p in _prompts(cfg, lengths, seed=7)]
+        engine.run_prefill(engine.decode_params(params), engine.init_decode_state(), pre)
+        engine.pool.release([q for p in pre for q in p.holds])
+    assert steps.prefill_packed._cache_size() == n   # nothing new compiled
     with pytest.raises(ValueError, match="prefill_batch_tokens must be >= 1"):
         EngineConfig(prefill_batch_tokens=0)
 

@@ -6,8 +6,9 @@ in `lrl.rollout.steps`, jitted once per shape bucket. Host state (which pages an
 use) lives in the `Engine` object here, in plain Python and numpy.
 
 How a prompt of T tokens becomes G samples:
-- `prefill` writes the KV of its first T - 1 tokens into fresh pages (in chunks of at most
-  `prefill_chunk` tokens; later chunks attend to the pages already written). The last prompt
+- `prefill` writes the KV of its first T - 1 tokens into fresh pages, in calls of one shape
+  [R, C]: short prompts share rows, a longer one goes in chunks of C that attend to the pages
+  already written (`run_prefill`). The last prompt
   token is left for the first decode step, so every sampled token, the first included, comes
   out of the same decode step with its log-prob.
 - `insert` gives each of the G slots the prompt's full pages (shared, reference counted), its
@@ -44,11 +45,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lrl.models.config import ModelConfig
+from lrl.models.flash import MAX_SEGMENTS
 from lrl.rollout import paged_attention as pa
 from lrl.rollout.pages import NULL_PAGE, PagePool, pages_for
 # The device half; EngineConfig, DecodeState and StepOutput are re-exported from here.
 from lrl.rollout.steps import (DecodeState, EngineConfig, StepOutput, _zero_state, deactivate,
-                               decode_steps, insert_slots, prefill_chunk)
+                               decode_steps, insert_slots, prefill_chunk, prefill_packed)
 from lrl.rollout.weights import decode_params
 
 __all__ = ["DecodeState", "Engine", "EngineConfig", "Prefix", "SlotPlan", "StepOutput"]
@@ -94,6 +96,33 @@ class SlotPlan:
     pages: list[int]          # the slot's whole page row (shared full pages first)
     copy_src: int             # the prompt's partial page, or the null page
     copy_dst: int
+    remaining: Optional[int] = None   # tokens it samples at most (None: max_new_tokens)
+
+
+# Prompts a packed prefill row may hold: cuDNN's packed layout takes MAX_SEGMENTS runs a row,
+# and the row's padding is one of them.
+_PROMPTS_PER_ROW = MAX_SEGMENTS - 1
+
+
+def _first_fit(prefixes, C: int) -> list[list[Prefix]]:
+    """Prefixes -> rows of at most C of their first tokens and `_PROMPTS_PER_ROW` of them, in
+    admission order (first fit)."""
+    rows, used = [], []
+    for pre in prefixes:
+        n = min(pre.cached, C)
+        for r, u in enumerate(used):
+            if u + n <= C and len(rows[r]) < _PROMPTS_PER_ROW:
+                rows[r].append(pre)
+                used[r] += n
+                break
+        else:
+            rows.append([pre])
+            used.append(n)
+    return rows
+
+
+def _batches(rows: list, R: int) -> list[list]:
+    return [rows[i:i + R] for i in range(0, len(rows), R)]
 
 
 class Engine:
@@ -113,6 +142,8 @@ class Engine:
         self.slot_pages: list[Optional[list[int]]] = [None] * ecfg.max_slots
         self._pallas_ok = False
         self.fallback: Optional[str] = None
+        self._state: Optional[DecodeState] = None
+        self._made_state = False
 
     # ---- sizes
     def prefix_pages(self, prompt_len: int) -> int:
@@ -182,33 +213,62 @@ class Engine:
         return row
 
     def run_prefill(self, params, state: DecodeState, prefixes) -> DecodeState:
-        """Fills the pages of `prefixes`: short prompts batched by length bucket, long ones in
-        chunks that attend to their pages."""
-        e = self.ecfg
-        short, long = {}, []
-        for pre in prefixes:
-            if pre.cached == 0:
-                continue
-            if pre.cached <= e.prefill_chunk:
-                bucket = max(e.min_prefill_bucket, 1 << (pre.cached - 1).bit_length())
-                # Multimodal prefixes go in calls of their own (embeddings in, not ids).
-                short.setdefault((bucket, pre.embeds is not None), []).append(pre)
-            else:
-                long.append(pre)
+        """Fills the pages of `prefixes` in calls of one shape, [R, C] (`rows_per_prefill`,
+        `prefill_chunk`), so that no mix of prompt lengths compiles anew: the first C tokens
+        of every prompt packed first-fit into rows, each attending to itself
+        (`prefill_packed`); then, for prompts longer than C, chunk after chunk of C tokens,
+        one prompt a row, attending to the pages already written (`prefill_chunk`).
+        Multimodal prompts (embeddings in, not ids) go in calls of their own."""
         kp, vp = state.k_pages, state.v_pages
-        for (bucket, _), group in sorted(short.items()):
-            rows = max(1, e.prefill_batch_tokens // bucket)
-            for i in range(0, len(group), rows):
-                part = group[i:i + rows]
-                kp, vp = self._prefill_call(params, kp, vp, part, 0, bucket, first=True)
-        for pre in long:
-            for start in range(0, pre.cached, e.prefill_chunk):
-                kp, vp = self._prefill_call(params, kp, vp, [pre], start, e.prefill_chunk,
-                                            first=start == 0)
+        todo = [p for p in prefixes if p.cached > 0]
+        for multimodal in (False, True):
+            group = [p for p in todo if (p.embeds is not None) == multimodal]
+            for rows in _batches(_first_fit(group, self.ecfg.prefill_chunk),
+                                 self.ecfg.rows_per_prefill):
+                kp, vp = self._packed_call(params, kp, vp, rows)
+            C = self.ecfg.prefill_chunk
+            for k in range(1, max((-(-p.cached // C) for p in group), default=0)):
+                longer = [p for p in group if p.cached > k * C]
+                for part in _batches([[p] for p in longer], self.ecfg.rows_per_prefill):
+                    kp, vp = self._prefill_call(params, kp, vp, [r[0] for r in part], k * C)
         return state._replace(k_pages=kp, v_pages=vp)
 
-    def _prefill_call(self, params, kp, vp, prefixes, start, C, first):
-        B = 1 << (len(prefixes) - 1).bit_length()   # rows padded to a power of two
+    def _packed_call(self, params, kp, vp, rows):
+        """One `prefill_packed` call: `rows` (at most R) lists of prefixes sharing a row."""
+        e = self.ecfg
+        R, C, ps = e.rows_per_prefill, e.prefill_chunk, e.page_size
+        tokens, positions, segments, pages, offsets = (np.zeros((R, C), np.int32)
+                                                       for _ in range(5))
+        multimodal = rows[0][0].embeds is not None
+        rope = np.zeros((3, R, C), np.int32) if multimodal else None
+        parts = [[] for _ in range(R)]
+        for r, row in enumerate(rows):
+            at = 0
+            for s, pre in enumerate(row, 1):
+                n = min(pre.cached, C)
+                j = np.arange(n)
+                sl = slice(at, at + n)
+                tokens[r, sl], positions[r, sl], segments[r, sl] = pre.tokens[:n], j, s
+                pages[r, sl] = np.asarray(pre.pages, np.int32)[j // ps]
+                offsets[r, sl] = j % ps
+                if multimodal:
+                    rope[:, r, sl] = pre.positions[:, :n]
+                    parts[r].append(pre.embeds[:n].astype(self.cfg.dtype))
+                at += n
+        embeds = None
+        if multimodal:
+            D = self.cfg.d_model
+            embeds = jnp.stack([jnp.pad(jnp.concatenate(p) if p else
+                                        jnp.zeros((0, D), self.cfg.dtype),
+                                        ((0, C - sum(x.shape[0] for x in p)), (0, 0)))
+                                for p in parts])
+        return prefill_packed(self.cfg, e, params, kp, vp, tokens, positions, segments, pages,
+                              offsets, embeds_BCD=embeds, rope_pos_3BC=rope)
+
+    def _prefill_call(self, params, kp, vp, prefixes, start):
+        """One `prefill_chunk` call: tokens [start, start + C) of each prefix (at most R), one a
+        row, attending to their pages."""
+        B, C = self.ecfg.rows_per_prefill, self.ecfg.prefill_chunk
         tokens = np.zeros((B, C), np.int32)
         n_valid = np.zeros(B, np.int32)
         table = np.full((B, self.ecfg.pages_per_slot), NULL_PAGE, np.int32)
@@ -233,7 +293,7 @@ class Engine:
                 parts.append(jnp.pad(e, ((0, C - n), (0, 0))))
             embeds = jnp.stack(parts)
         return prefill_chunk(self.cfg, self.ecfg, params, kp, vp, tokens,
-                             np.full(B, start, np.int32), n_valid, table, first=first,
+                             np.full(B, start, np.int32), n_valid, table, first=False,
                              embeds_BCD=embeds, rope_pos_3BC=rope)
 
     def prefill(self, params, decode_state: DecodeState, tokens):
@@ -277,7 +337,8 @@ class Engine:
         for i, p in enumerate(plans):
             slot[i], rows[i] = p.slot, self.page_row(p.pages)
             length[i], token[i] = p.prefix.cached, p.prefix.tokens[-1]
-            remaining[i], sample_id[i] = p.max_new_tokens, p.sample_id
+            remaining[i] = p.max_new_tokens if p.remaining is None else p.remaining
+            sample_id[i] = p.sample_id
             src[i], dst[i] = p.copy_src, p.copy_dst
             delta[i] = p.prefix.rope_delta
         return insert_slots(state, slot, rows, length, token, remaining, sample_id, src, dst,
@@ -302,19 +363,23 @@ class Engine:
         """The weights relaid for decode steps (lrl.rollout.weights); pass them to generate."""
         return decode_params(self.cfg, params, self.mesh)
 
-    def generate(self, params, decode_state: DecodeState, rng, num_steps: int = 1):
+    def generate(self, params, decode_state: DecodeState, rng, num_steps: int = 1,
+                 sampling=None, eos_ids=None):
         """-> (decode_state, StepOutput [num_steps, B]) for every live slot. `params` in the
         training layout work too, slower: prefer `decode_params(params)`, once per rollout.
+        `sampling` / `eos_ids` override the engine config's for this call (another compiled
+        decode program for each distinct setting).
 
         If a Pallas kernel (attention or sampling) fails to lower (an unsupported shape or jax
         version), the engine warns once and continues with the XLA paths; `self.fallback` says
         why."""
-        on_gpu = self.ecfg.attention_impl in pa.PALLAS or self.ecfg.sampling_impl == "pallas"
+        over = {k: v for k, v in (("sampling", sampling), ("eos_ids", eos_ids)) if v is not None}
+        ecfg = dataclasses.replace(self.ecfg, **over) if over else self.ecfg
+        on_gpu = ecfg.attention_impl in pa.PALLAS or ecfg.sampling_impl == "pallas"
         if not on_gpu or self._pallas_ok:
-            return decode_steps(self.cfg, self.ecfg, params, decode_state, rng,
-                                num_steps=num_steps)
+            return decode_steps(self.cfg, ecfg, params, decode_state, rng, num_steps=num_steps)
         try:   # lowering errors surface before dispatch, so the donated state is intact
-            decode_steps.lower(self.cfg, self.ecfg, params, decode_state, rng,
+            decode_steps.lower(self.cfg, ecfg, params, decode_state, rng,
                                num_steps=num_steps).compile()
             self._pallas_ok = True
         except Exception as e:  # noqa: BLE001
@@ -322,7 +387,27 @@ class Engine:
             warnings.warn(f"Pallas kernels failed to compile, using the XLA paths: "
                           f"{self.fallback}")
             self.ecfg = dataclasses.replace(self.ecfg, attention_impl="xla", sampling_impl="xla")
-        return decode_steps(self.cfg, self.ecfg, params, decode_state, rng, num_steps=num_steps)
+            ecfg = dataclasses.replace(ecfg, attention_impl="xla", sampling_impl="xla")
+        return decode_steps(self.cfg, ecfg, params, decode_state, rng, num_steps=num_steps)
+
+    # ---- the state kept between rollouts
+    def take_state(self) -> DecodeState:
+        """The engine's decode state (its pool and slot arrays), created once and handed out
+        to one rollout at a time: between rollouts every page is free and every slot idle, so
+        a rollout starts from it as from a fresh one, without allocating the pool again."""
+        state, self._state = self._state, None
+        if state is None:
+            if self._made_state:
+                raise RuntimeError("the engine's decode state is out with another rollout")
+            state = self.init_decode_state()
+            self._made_state = True
+        return state
+
+    def keep_state(self, state: DecodeState) -> None:
+        """Takes the state back after a rollout (all its pages free)."""
+        if not self.pool.all_free():
+            raise RuntimeError(f"{self.pool.num_used} pages still in use after the rollout")
+        self._state = state
 
     def free(self, decode_state: DecodeState, slots) -> DecodeState:
         """Stops the slots and returns their pages to the pool."""

@@ -21,6 +21,7 @@ D model width.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from typing import Callable, Optional, Sequence
 
@@ -73,11 +74,49 @@ def _k_splits(slots: int, kv_programs: int, programs: int = 512) -> int:
     return k
 
 
+def engine_config(cfg: ModelConfig, *, max_prompt_len: int, max_new_tokens: int,
+                  max_slots: int, num_pages: int, page_size: int = 16,
+                  prefill_chunk: Optional[int] = None, prefill_tokens: int = 16384,
+                  max_prompts: Optional[int] = None, eos_ids: Sequence[int] = (),
+                  sampling: SamplingParams = SamplingParams(),
+                  attention_impl: Optional[str] = None, decode_block_pages: int = 4,
+                  prefill_block_pages: Optional[int] = None,
+                  pallas_k_splits: Optional[int] = None, pallas_warps: int = 4,
+                  pallas_stages: int = 1, pallas_kv_per_program: int = 1,
+                  layer_unroll: int = 1, fused_decode: bool = False,
+                  sampling_impl: Optional[str] = None) -> EngineConfig:
+    """An engine's configuration from the sizes it must serve: prompts of at most
+    `max_prompt_len` tokens with `max_new_tokens` more, `max_slots` decode rows, a pool of
+    `num_pages`. A prefill call is [R, C]: C = `prefill_chunk` (None: the longest prompt's
+    cached tokens, a power of two from 16 to 4096), R = `prefill_tokens` // C, and no more
+    rows than `max_prompts` prompts fill (when given)."""
+    if prefill_chunk is None:
+        prefill_chunk = min(4096, max(16, 1 << max(0, max_prompt_len - 2).bit_length()))
+    rows = max(1, prefill_tokens // prefill_chunk)
+    if max_prompts is not None:
+        rows = min(rows, 1 << max(0, max_prompts - 1).bit_length())
+    if prefill_block_pages is None:
+        prefill_block_pages = max(1, 1024 // page_size)
+    return EngineConfig(
+        page_size=page_size, num_pages=num_pages, max_slots=max_slots,
+        max_pages_per_slot=pages_for(max_prompt_len + max_new_tokens - 1, page_size),
+        prefill_chunk=prefill_chunk, prefill_rows=rows,
+        prefill_batch_tokens=rows * prefill_chunk, eos_ids=tuple(int(e) for e in eos_ids),
+        sampling=sampling, attention_impl=attention_impl,
+        decode_block_pages=decode_block_pages, prefill_block_pages=prefill_block_pages,
+        layer_unroll=layer_unroll,
+        pallas_k_splits=pallas_k_splits or _k_splits(max_slots, cfg.n_kv_heads // kv_heads_per_program(
+            cfg.n_heads, cfg.n_kv_heads, pallas_kv_per_program)),
+        pallas_warps=pallas_warps, pallas_stages=pallas_stages,
+        pallas_kv_per_program=pallas_kv_per_program, fused_decode=fused_decode,
+        sampling_impl=sampling_impl)
+
+
 def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int,
              num_samples: int = 1, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              eos_ids: Sequence[int] = (), seed: int = 0, page_size: int = 16,
              max_slots: Optional[int] = None, pool_tokens: Optional[int] = None,
-             pool_fraction: Optional[float] = None, prefill_chunk: int = 4096,
+             pool_fraction: Optional[float] = None, prefill_chunk: Optional[int] = None,
              prefill_batch_tokens: int = 16384,
              steps_per_call: int = 16, attention_impl: Optional[str] = None,
              decode_block_pages: int = 4, prefill_block_pages: Optional[int] = None,
@@ -87,8 +126,16 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
              mesh=None, stats: Optional[dict] = None,
              prompt_embeds: Optional[Sequence] = None,
              prompt_positions: Optional[Sequence] = None,
-             prefill_fn: Optional[Callable] = None):
+             prefill_fn: Optional[Callable] = None, engine: Optional[Engine] = None,
+             decode_params=None, max_new_fn: Optional[Callable[[int], int]] = None):
     """-> [P][G] list of (token ids int32, log-probs float32) per sample.
+
+    `engine`: an engine built once for many calls (`engine_config`): its compiled programs and
+    its pool are reused, and the size arguments here (pool, slots, pages, prefill and kernel
+    launch settings) are its own; `decode_params` are the weights already in its decode layout
+    (`lrl.rollout.weights.DecodeWeights`), else they are relaid here. Without an engine one is
+    built for this call, sized for these prompts. `max_new_fn(sample_id) -> n` (benchmarks
+    only) stops sample p * G + g after n <= max_new_tokens tokens, as if its end token came.
 
     The pool holds `pool_tokens` tokens, or `pool_fraction` of free device memory, or by
     default enough for all prompts plus `max_slots` samples. `stats`, when a dict, is filled
@@ -102,8 +149,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     the new token's key and value (EngineConfig.fused_decode; off, slower on the H200).
     `sampling_impl` (None: our Pallas kernel where attention uses one, else XLA) takes the
     blocks' masses for temperature sampling (EngineConfig.sampling_impl).
-    `prefill_batch_tokens` caps the tokens of one prefill call that batches short prompts of
-    one length bucket; `prefill_chunk` is the longest call for one long prompt.
+    A prefill call is [R, C]: C = `prefill_chunk` tokens a row (None: the longest prompt's, a
+    power of two up to 4096), R rows within `prefill_batch_tokens` (and the prompts' count);
+    short prompts share rows, a longer one is prefilled C tokens at a time.
     `prefill_fn(engine, params, state, prefixes) -> state` replaces `engine.run_prefill`, e.g.
     `lrl.rollout.sp_prefill.make_prefill(mesh)` for long prompts prefilled over `seq`.
     """
@@ -121,32 +169,30 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                          f"{len(prompt_positions)} prompt_positions")
     if P == 0:
         return []
-    B = max_slots or min(P * G, 256)
-    longest = max(len(p) for p in prompts)
-    if prefill_block_pages is None:
-        prefill_block_pages = max(1, 1024 // page_size)
-    ecfg = EngineConfig(
-        page_size=page_size,
-        num_pages=_pool_pages(cfg, prompts, max_new_tokens, page_size, B, pool_tokens,
-                              pool_fraction, mesh),
-        max_slots=B, max_pages_per_slot=pages_for(longest + max_new_tokens - 1, page_size),
-        prefill_chunk=prefill_chunk, min_prefill_bucket=min(16, prefill_chunk),
-        prefill_batch_tokens=prefill_batch_tokens,
-        eos_ids=tuple(int(e) for e in eos_ids),
-        sampling=SamplingParams(float(temperature), int(top_k), float(top_p)),
-        attention_impl=attention_impl, decode_block_pages=decode_block_pages,
-        prefill_block_pages=prefill_block_pages, layer_unroll=layer_unroll,
-        pallas_k_splits=pallas_k_splits or _k_splits(B, cfg.n_kv_heads // kv_heads_per_program(
-            cfg.n_heads, cfg.n_kv_heads, pallas_kv_per_program)),
-        pallas_warps=pallas_warps, pallas_stages=pallas_stages,
-        pallas_kv_per_program=pallas_kv_per_program, fused_decode=fused_decode,
-        sampling_impl=sampling_impl)
-    engine = Engine(cfg, ecfg, mesh)
+    sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
+    eos = tuple(int(e) for e in eos_ids)
+    if engine is None:
+        B = max_slots or min(P * G, 256)
+        longest = max(len(p) for p in prompts)
+        ecfg = engine_config(
+            cfg, max_prompt_len=longest, max_new_tokens=max_new_tokens, max_slots=B,
+            num_pages=_pool_pages(cfg, prompts, max_new_tokens, page_size, B, pool_tokens,
+                                  pool_fraction, mesh),
+            page_size=page_size, prefill_chunk=prefill_chunk, prefill_tokens=prefill_batch_tokens,
+            max_prompts=P, eos_ids=eos, sampling=sampling, attention_impl=attention_impl,
+            decode_block_pages=decode_block_pages, prefill_block_pages=prefill_block_pages,
+            layer_unroll=layer_unroll, pallas_k_splits=pallas_k_splits,
+            pallas_warps=pallas_warps, pallas_stages=pallas_stages,
+            pallas_kv_per_program=pallas_kv_per_program, fused_decode=fused_decode,
+            sampling_impl=sampling_impl)
+        engine = Engine(cfg, ecfg, mesh)
+    B = engine.ecfg.max_slots
     for i, p in enumerate(prompts):
         engine.check_fits(len(p), max_new_tokens, what=f"prompt {i}")
-
-    state = engine.init_decode_state()
-    dparams = engine.decode_params(params)
+    state = engine.take_state()
+    if decode_params is None:
+        decode_params = engine.decode_params(params)
+    dparams = decode_params
     rng = jax.random.key(seed)
     results = [[None] * G for _ in range(P)]
     queue = collections.deque(range(P))
@@ -211,8 +257,12 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                 st["prefill_tokens"] += T - 1
             slot = free_slots.popleft()
             g = next_sample[p]
-            plans.append(engine.reserve_slot(open_prefix[p], slot, p * G + g, max_new_tokens,
-                                             last=g == G - 1))
+            plan = engine.reserve_slot(open_prefix[p], slot, p * G + g, max_new_tokens,
+                                       last=g == G - 1)
+            if max_new_fn is not None:   # pages as for any sample; it stops early
+                plan = dataclasses.replace(plan, remaining=min(max_new_tokens,
+                                                               int(max_new_fn(p * G + g))))
+            plans.append(plan)
             owner[slot], out_tokens[slot], out_logps[slot] = (p, g), [], []
             next_sample[p] += 1
             if next_sample[p] == G:
@@ -243,8 +293,10 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         # (`steps._DECODE_OPTIONS`), steps were faster than when every call was collected
         # before the next was launched (BENCHMARKS.md, "Sixth session", "Overlap").
         t0 = time.perf_counter()
-        state, out = engine.generate(dparams, state, rng, num_steps=steps_per_call)
+        state, out = engine.generate(dparams, state, rng, num_steps=steps_per_call,
+                                     sampling=sampling, eos_ids=eos)
         st["decode_calls"] += 1
+        st["live_slots_at_calls"] += sum(o is not None for o in owner)
         if queue:
             state = collect(state, out)
         else:
@@ -257,11 +309,14 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         t0 = time.perf_counter()
         state = collect(state, in_flight)
         t_decode += time.perf_counter() - t0
-    if not engine.pool.all_free():
-        raise RuntimeError(f"{engine.pool.num_used} pages still in use after the batch")
+    engine.keep_state(state)   # raises if a page is still in use
     if stats is not None:
-        stats.update(dict(st), prefill_s=t_prefill, decode_s=t_decode, num_pages=ecfg.num_pages,
-                     slots=B, attention_impl=engine.ecfg.attention_impl,
+        page_size = engine.ecfg.page_size
+        stats.update(dict(st), prefill_s=t_prefill, decode_s=t_decode,
+                     num_pages=engine.ecfg.num_pages, slots=B,
+                     # the share of decode-step rows that sampled a token
+                     occupancy=st["new_tokens"] / max(1, st["decode_steps"] * B),
+                     attention_impl=engine.ecfg.attention_impl,
                      attention_fallback=engine.fallback,
                      sampling_impl=engine.ecfg.sampling_impl,
                      pages_allocated=engine.pool.allocated_total,

@@ -154,6 +154,18 @@ def decode_attention(q_BTNH, k_pages, v_pages, table_BY, kv_len_B, layer_base, *
     raise ValueError(f"decode attention impl={impl!r}; choose one of {IMPLS}")
 
 
+def packed_self_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT):
+    """Causal attention within each of the prompts packed into a row (nothing of them is in the
+    pages yet): cuDNN's packed layout on GPU in half precision, else the training model's XLA
+    path. Padding is segment 0, after the prompts: it sees only itself."""
+    if jax.default_backend() == "gpu" and q_BTNH.dtype in (jnp.bfloat16, jnp.float16):
+        from lrl.models import flash
+        return flash.dense_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT,
+                                     implementation="cudnn")
+    from lrl.models.attention import xla_attention
+    return xla_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+
+
 def chunk_self_attention(q_BTNH, k_BTKH, v_BTKH):
     """Causal attention of a prompt's first chunk over itself (nothing is in the pages yet):
     cuDNN flash attention on GPU in half precision, else the training model's XLA path.

@@ -33,12 +33,15 @@ class EngineConfig:
     num_pages: int = 1024            # pool size per layer, null page included
     max_slots: int = 8               # B: rows of every decode step
     max_pages_per_slot: int = 64     # Y before rounding up to the kernels' block multiple
-    prefill_chunk: int = 4096        # longest prefill call (power of two); longer prompts chunk
-    # Tokens of one prefill call of short prompts batched by length bucket: 256 prompts of 512
-    # tokens prefilled faster in calls of 16,384 tokens than of 4,096 (BENCHMARKS.md, "Fifth
+    prefill_chunk: int = 4096        # C: a prefill row's tokens (power of two); longer prompts
+                                     # go in chunks of C that attend to their pages
+    # R: rows of every prefill call, so that a call is always [R, C] and compiles once (0: as
+    # many as `prefill_batch_tokens` allow). Short prompts share rows (`prefill_packed`).
+    prefill_rows: int = 0
+    # Tokens of one prefill call (R x C when prefill_rows is 0): 256 prompts of 512 tokens
+    # prefilled faster in calls of 16,384 tokens than of 4,096 (BENCHMARKS.md, "Fifth
     # session", "Prefill: decode-layout weights and wider calls").
     prefill_batch_tokens: int = 16384
-    min_prefill_bucket: int = 16     # shortest prefill call (power of two)
     eos_ids: tuple[int, ...] = ()    # tokens that end a sample (kept in its output)
     sampling: SamplingParams = SamplingParams()
     attention_impl: Optional[str] = None  # None: pallas_gqa on one GPU, else XLA
@@ -68,15 +71,12 @@ class EngineConfig:
     fused_decode: bool = False
 
     def __post_init__(self):
-        for name in ("prefill_chunk", "min_prefill_bucket"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two, got {v}")
+        if self.prefill_chunk < 1 or self.prefill_chunk & (self.prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two, got {self.prefill_chunk}")
+        if self.prefill_rows < 0:
+            raise ValueError(f"prefill_rows must be >= 0, got {self.prefill_rows}")
         if self.prefill_batch_tokens < 1:
             raise ValueError(f"prefill_batch_tokens must be >= 1, got {self.prefill_batch_tokens}")
-        if self.min_prefill_bucket > self.prefill_chunk:
-            raise ValueError(f"min_prefill_bucket {self.min_prefill_bucket} > prefill_chunk "
-                             f"{self.prefill_chunk}")
         if self.page_size < 1 or self.max_slots < 1 or self.max_pages_per_slot < 1:
             raise ValueError(f"page_size, max_slots and max_pages_per_slot must be positive: "
                              f"{self.page_size}, {self.max_slots}, {self.max_pages_per_slot}")
@@ -92,6 +92,11 @@ class EngineConfig:
         if self.sampling_impl not in (None, *SAMPLING_IMPLS):
             raise ValueError(f"sampling_impl={self.sampling_impl!r}; choose None or "
                              f"{SAMPLING_IMPLS}")
+
+    @property
+    def rows_per_prefill(self) -> int:
+        """R of a prefill call [R, C]."""
+        return self.prefill_rows or max(1, self.prefill_batch_tokens // self.prefill_chunk)
 
     @property
     def pages_per_slot(self) -> int:
@@ -237,6 +242,25 @@ def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_val
     _, k_pages, v_pages = run_layers(cfg, params, x_BCD, rope_pos,
                                       k_pages, v_pages, page_BC, offset_BC, attend,
                                       ecfg.layer_unroll)
+    return k_pages, v_pages
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ecfg"),
+                   donate_argnames=("k_pages", "v_pages"), compiler_options=_GEMM_OPTIONS)
+def prefill_packed(cfg, ecfg, params, k_pages, v_pages, tokens_BC, positions_BC, segment_ids_BC,
+                   page_BC, offset_BC, embeds_BCD=None, rope_pos_3BC=None):
+    """Writes the KV of the prompts packed into rows: each token at its page and offset, each
+    prompt attending causally to itself (segment ids, 0 for padding, which writes into the
+    null page). One shape for any mix of prompt lengths, so it compiles once. Multimodal rows
+    pass their input embeddings and M-RoPE positions."""
+    def attend(q, k, v, kp, vp, base):
+        return pa.packed_self_attention(q, k, v, segment_ids_BC)
+
+    x_BCD = (_embed(cfg, params, tokens_BC) if embeds_BCD is None
+             else embeds_BCD.astype(cfg.dtype))
+    rope_pos = positions_BC if rope_pos_3BC is None else rope_pos_3BC
+    _, k_pages, v_pages = run_layers(cfg, params, x_BCD, rope_pos, k_pages, v_pages, page_BC,
+                                     offset_BC, attend, ecfg.layer_unroll)
     return k_pages, v_pages
 
 

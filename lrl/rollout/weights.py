@@ -119,3 +119,30 @@ def decode_params(cfg: ModelConfig, params, mesh=None):
     if is_decode_layout(params):
         return params
     return _to_decode(params, cfg, mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"), donate_argnames=("old",))
+def _refresh(old, params, cfg: ModelConfig, mesh):
+    del old   # donated: the new layout is written into its buffers
+    return _to_decode(params, cfg, mesh)
+
+
+class DecodeWeights:
+    """The policy in the decode layout, kept for a whole run: `refresh(params)` relays the
+    training params into the same buffers (the previous copy is donated), so each step costs
+    one read of the weights and no new allocation; unchanged params are not relaid."""
+
+    def __init__(self, cfg: ModelConfig, mesh=None):
+        self.cfg, self.mesh = cfg, mesh
+        self.params = None
+        self._source = None   # the training params the copy was made from
+
+    def refresh(self, params):
+        if params is self._source:
+            return self.params
+        if self.params is None:
+            self.params = _to_decode(params, self.cfg, self.mesh)
+        else:
+            self.params = _refresh(self.params, params, self.cfg, self.mesh)
+        self._source = params
+        return self.params

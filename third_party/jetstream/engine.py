@@ -209,7 +209,8 @@ class LrlEngine(engine_api.Engine):
         if cached == 0:
             return LrlPrefix(None, None, tuple(tokens.tolist()))
         e, c = self.ecfg, self.cfg
-        bucket = max(e.min_prefill_bucket, 1 << (cached - 1).bit_length())
+        # A power-of-two pool of its own per length bucket: few shapes to compile.
+        bucket = max(16, 1 << (cached - 1).bit_length())
         pool_shape = (c.n_kv_heads, c.n_layers * (pages_for(bucket, e.page_size) + 1),
                       e.page_size, c.head_dim)
         with jax.default_device(self.device):

@@ -1,0 +1,48 @@
+"""XLA compilations counted by function name, from jax's own monitoring events, so a run can
+say how many programs each step compiled (a step's lengths must change how many calls it
+makes, never a shape) and a test can hold it to that.
+
+    before = compiles.snapshot()
+    ...                                   # a step
+    new = compiles.since(before)          # {"jit(decode_steps)": 1, ...}
+"""
+from __future__ import annotations
+
+import collections
+import threading
+
+_COUNTS: collections.Counter = collections.Counter()
+_LOCK = threading.Lock()
+_EVENT = "/jax/core/compile/backend_compile_duration"
+_registered = False
+
+
+def _listener(event: str, duration: float, **kwargs) -> None:
+    if event == _EVENT:
+        with _LOCK:
+            _COUNTS[str(kwargs.get("fun_name", "?"))] += 1
+
+
+def install() -> None:
+    """Starts counting (once per process; jax keeps its listeners for the process's life)."""
+    global _registered
+    if not _registered:
+        from jax import monitoring
+        monitoring.register_event_duration_secs_listener(_listener)
+        _registered = True
+
+
+def snapshot() -> collections.Counter:
+    install()
+    with _LOCK:
+        return collections.Counter(_COUNTS)
+
+
+def since(before: collections.Counter) -> dict:
+    """Compilations since `before`, by function name."""
+    now = snapshot()
+    return {k: v - before.get(k, 0) for k, v in now.items() if v > before.get(k, 0)}
+
+
+def total() -> int:
+    return sum(snapshot().values())

@@ -1,0 +1,60 @@
+"""Ten GRPO steps whose prompt and response lengths vary widely compile every program of the
+rollout and of the update once: a step's lengths change how many calls it makes (micro-batches,
+prefill calls, decode calls), never a shape."""
+import dataclasses
+import os
+
+import numpy as np
+
+from lrl import compiles, config_util, loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Each compiled once for the run (the decode program once per sampling setting: the held-out
+# eval samples at the training temperature here).
+PROGRAMS = ("jit(_start)", "jit(_accumulate)", "jit(_apply)", "jit(logprobs)",
+            "jit(prefill_packed)", "jit(decode_steps)", "jit(insert_slots)", "jit(deactivate)",
+            "jit(_refresh)")
+
+
+def test_ten_steps_of_varied_lengths_compile_each_program_once(tmp_path, monkeypatch):
+    c = config_util.load(os.path.join(ROOT, "configs", "default.py"), "runlocal")
+    c.model.update(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64)
+    c.tokenizer.vocab_size = 320
+    c.mesh.update(fsdp=4, tensor=2)
+    c.data.update(task="kv_retrieval", max_prompt_len=104)
+    c.data.task_kwargs.kv_retrieval.update(num_pairs=6, min_pairs=1)   # prompts of ~20-90
+    c.sft.steps = 0
+    c.rl.update(steps=10, prompts_per_step=4, group_size=4, max_new_tokens=24, row_len=128,
+                max_tokens_per_micro=128, minibatches=2, temperature=0.9)  # trainer old logp
+    c.eval.update(every=5, num_prompts=4, k=2, temperature=0.9)
+    c.data.eval_size = 4
+    c.checkpoint.every_steps = 0
+    c.metrics.tensorboard = False
+    rng = np.random.default_rng(0)
+    build = loop.build_grpo
+    forced = []
+
+    def with_varied_lengths(*args):
+        # A random policy never ends by itself: force each sample's end at 1..24 tokens.
+        def length(sample_id):
+            n = int(rng.integers(1, 25))
+            forced.append(n)
+            return n
+        return dataclasses.replace(build(*args), max_new_fn=length)
+
+    monkeypatch.setattr(loop, "build_grpo", with_varied_lengths)
+    before = compiles.snapshot()
+    loop.run(c, str(tmp_path))
+    counts = compiles.since(before)
+    import json
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "compiles/step" in r]
+    assert len(steps) == 10 and min(forced) <= 3 and max(forced) >= 22
+    lengths = [r["response/length_mean"] for r in steps]
+    assert max(lengths) - min(lengths) > 2                 # the steps' lengths did vary
+    micro = [r["pack/micro_batches"] for r in steps]
+    assert len(set(micro)) > 1                             # and so did their micro-batch count
+    assert [r["compiles/step"] for r in steps[2:]] == [0] * 8, [r["compiles/step"] for r in steps]
+    for name in PROGRAMS:
+        assert counts.get(name) == 1, (name, {k: v for k, v in counts.items() if v > 1})
