@@ -45,6 +45,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.n_kv_heads = 2
     c.model.head_dim = 32
     c.model.mlp_dim = 384
+    c.model.vocab_size = 0           # 0: the tokenizer's; more pads the vocabulary (as Qwen's)
     c.model.rope_theta = 10000.0
     c.model.tie_embeddings = True
     c.model.param_dtype = "float32"  # master weights

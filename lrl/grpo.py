@@ -368,12 +368,20 @@ def step(s: Setup, state, it, step_index: int):
     local = groups.take(mine)
     batches, truncated = minibatches(s, local, adv_PG[mine],
                                      weight[np.repeat(mine, groups.group_size)])
+    t0 = time.time()
     batches = old_and_ref_logps(s, state.params, batches)
+    jax.block_until_ready([mb.get("old_logp") for b in batches for mb in b.micro])
+    t_logp = time.time() - t0
     t0 = time.time()
     state, um = updates(s, state, batches)
     m.update(um)
     tokens, slots = sum(b.tokens for b in batches), sum(b.slots for b in batches)
-    m.update({"time/update_s": time.time() - t0,
+    lengths = [len(p.ids) + len(c) for p, c in
+               zip((local.prompts[i // local.group_size] for i in range(len(local.completions))),
+                   local.completions)]
+    m.update({"time/update_s": time.time() - t0, "time/logprob_s": t_logp,
+              # sum of squared sequence lengths: what the update's attention FLOPs grow with
+              "pack/seq_len_sq": float(np.sum(np.square(lengths, dtype=np.float64))),
               "advantage/abs_mean": float(np.abs(adv_PG).mean()),
               "pack/micro_batches": sum(len(b.micro) for b in batches),
               "pack/tokens": tokens, "pack/fill": tokens / max(slots, 1),

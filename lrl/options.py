@@ -128,6 +128,7 @@ class ModelOptions:
     n_kv_heads: int = _opt(ge=1)
     head_dim: int = _opt(ge=2)
     mlp_dim: int = _opt(ge=1)
+    vocab_size: int = _opt(ge=0)         # 0: the tokenizer's
     rope_theta: float = _opt(gt=0)
     tie_embeddings: bool = _opt()
     param_dtype: str = _opt(choices=DTYPES)

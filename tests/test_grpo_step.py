@@ -69,7 +69,8 @@ def test_text_prompts_above_sp_min_tokens_prefill_over_seq(monkeypatch):
     rng = np.random.RandomState(0)
     prompts = [Prompt(rng.randint(1, 120, n).astype(np.int32), "", {}, "") for n in (20, 61, 90)]
     rl = _rl(max_new_tokens=6, temperature=0.0)
-    ro = options.RolloutOptions(page_size=8, max_slots=4, pool_tokens=0, sp_min_tokens=48)
+    ro = options.RolloutOptions(page_size=8, max_slots=4, pool_tokens=0, pool_fraction=0.4,
+                                prefill_tokens=1024, sp_min_tokens=48)
     setup = grpo.Setup(rl=rl, rollout=ro, seed=0, task=None, tokenizer=None, model_cfg=cfg,
                        mesh=mesh, eos_ids=(), pool=None, update=None, logprobs=None, shards=4,
                        row_len=128, rows_per_shard=1, max_segments=64)

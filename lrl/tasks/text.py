@@ -137,11 +137,20 @@ def model_config(opts, tokenizer) -> models.ModelConfig:
         return models.from_hf_dir(m.hf_path, **run)
     eos = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     return models.ModelConfig(
-        model_type=m.model_type, vocab_size=len(tokenizer), d_model=m.d_model,
+        model_type=m.model_type, vocab_size=vocab_size(m, tokenizer), d_model=m.d_model,
         n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
         mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, tie_embeddings=m.tie_embeddings,
         qkv_bias=m.model_type == "qwen2", qk_norm=m.model_type == "qwen3",
         bos_token_id=tokenizer.bos_token_id, eos_token_ids=eos, **run)
+
+
+def vocab_size(m, tokenizer) -> int:
+    """model.vocab_size, or the tokenizer's; a vocabulary smaller than the tokenizer's is an
+    error (its ids would index past the embedding)."""
+    if m.vocab_size and m.vocab_size < len(tokenizer):
+        raise ValueError(f"model.vocab_size={m.vocab_size} < the tokenizer's {len(tokenizer)} "
+                         "tokens")
+    return m.vocab_size or len(tokenizer)
 
 
 def initial_params(opts, cfg: models.ModelConfig, mesh):

@@ -171,8 +171,10 @@ def build_policy(opts, tokenizer, mesh=None):
         check_token_ids(vl_cfg, tokenizer, m.hf_path)
         return vl_cfg, params
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    from lrl.tasks.text import vocab_size
     text = models.ModelConfig(
-        model_type="qwen2", vocab_size=len(tokenizer), d_model=m.d_model, n_layers=m.n_layers,
+        model_type="qwen2", vocab_size=vocab_size(m, tokenizer), d_model=m.d_model,
+        n_layers=m.n_layers,
         n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, mlp_dim=m.mlp_dim,
         rope_theta=m.rope_theta, qkv_bias=True, mrope_section=tuple(v.mrope_section),
         tie_embeddings=m.tie_embeddings, bos_token_id=tokenizer.bos_token_id,

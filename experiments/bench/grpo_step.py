@@ -1,0 +1,221 @@
+"""The whole GRPO step as a user runs it: `lrl.loop.run` (the code `python -m lrl.main` runs)
+for N steps at a real model's shapes, random weights, with a controlled response length.
+
+    python experiments/bench/grpo_step.py --case long --steps 4     # H200: mean 4K, cap 16K
+    python experiments/bench/grpo_step.py --case short --steps 10   # cap 1K
+    python experiments/bench/grpo_step.py --case qwen2_5_math:7b --steps 3
+    python experiments/bench/grpo_step.py --smoke                   # CPU, tiny, checks it runs
+
+The one thing the benchmark adds to the loop: each sample's end is forced at a length drawn
+from a log-normal (sigma 1, mean `--mean` before the cap at `--cap`), since random weights
+never end by themselves; its pages are still reserved for the full `rl.max_new_tokens`, as a
+real sample's are. The tokenizer is a stand-in (the synthetic task's, with the vocabulary
+padded to the model's 151,936 ids: sampled ids past it decode to nothing), the prompts are the
+synthetic arithmetic task's, the reward is a coin flip (so groups have advantages).
+
+Per step it prints rollout / log-prob / update / host seconds, pack fill, compiles so far,
+trained tokens per second per GPU, whole-step MFU and the composition ratio:
+- FLOPs = 6 N (trained tokens) + 2 N (generated tokens) + 2 (N - V D) (prefilled tokens, no
+  logits) + attention (6 L D_att sum(len^2) in the update, causal; 4 L D_att per generated
+  token per token of its context in decode; prefill's left out: prompts of a few hundred
+  tokens), N = the matmul parameters (non-embedding + the lm head), over step time x
+  --peak-tflops (791, the H200's measured bf16 matmul rate);
+- the prediction the composition ratio divides by the step time: decode at --decode-frac of
+  the HBM roofline (the rollout bench's 50% at 256 slots) for full slots at the step's mean
+  context, prefill at --prefill-mfu, the update at --update-mfu (the update bench's 60% at
+  16K-32K): what the parts' benchmarks give for the same tokens, with no tail and no host gap.
+
+B batch rows (the engine's slots) · L layers · D model width · V vocabulary.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+# Model shapes of the configs' models (random weights here).
+SHAPES = {
+    "1.5b": dict(model_type="qwen2", d_model=1536, n_layers=28, n_heads=12, n_kv_heads=2,
+                 head_dim=128, mlp_dim=8960, rope_theta=1e6, tie_embeddings=True),
+    "7b": dict(model_type="qwen2", d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4,
+               head_dim=128, mlp_dim=18944, rope_theta=1e6, tie_embeddings=False),
+    "tiny": dict(model_type="qwen2", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                 head_dim=16, mlp_dim=128, rope_theta=1e4, tie_embeddings=True),
+}
+
+
+def make_config(a):
+    from lrl import config_util
+    if a.case in ("long", "short") or a.smoke:
+        c = config_util.load(os.path.join(ROOT, "configs", "qwen2_5_math.py"), "1.5b")
+        shape = "tiny" if a.smoke else "1.5b"
+    else:
+        name, _, arg = a.case.partition(":")
+        c = config_util.load(os.path.join(ROOT, "configs", name + ".py"), arg or None)
+        shape = "7b" if "7b" in a.case or name == "long_context_ring" else "1.5b"
+    c.model.update(hf_path="", vocab_size=512 if a.smoke else 151936, **SHAPES[shape])
+    if a.smoke:
+        c.model.update(dtype="float32", remat="none")
+    c.tokenizer.update(path="", vocab_size=300)
+    c.data.update(source="synthetic", task="arithmetic", paths="", eval_paths="",
+                  max_prompt_len=a.prompt, system_prompt="")
+    c.mesh.update(data=1, fsdp=-1, seq=1, tensor=1)
+    c.model.update(attention="dense", param_shard_axes="fsdp")
+    cap = a.cap
+    c.rl.update(steps=a.steps, prompts_per_step=a.prompts, group_size=a.group,
+                max_new_tokens=cap, dynamic_sampling=False, overlong="none",
+                recompute_old_logp=a.recompute_old_logp, logprob_chunk=a.chunk,
+                row_len=0, max_tokens_per_micro=a.budget)
+    c.reward.update(spec="bench_coin:1.0", num_workers=0)
+    c.rollout.update(max_slots=a.slots, pool_tokens=0, pool_fraction=a.pool_fraction,
+                     prefill_tokens=a.prefill_tokens, sp_min_tokens=0)
+    c.eval.every = 0
+    c.checkpoint.update(every_steps=0, every_minutes=0.0)
+    c.metrics.update(tensorboard=False, samples_per_step=0)
+    c.optim.update(warmup_steps=1)
+    return c
+
+
+def lengths_fn(mean: float, cap: int, seed: int):
+    """Forced response lengths: log-normal with sigma 1 and `mean` before the cap."""
+    rng = random.Random(seed)
+    mu = math.log(mean) - 0.5
+
+    def length(sample_id: int) -> int:
+        return max(1, min(cap, int(rng.lognormvariate(mu, 1.0))))
+    return length
+
+
+def flops_and_prediction(row, cfg, a):
+    """(whole-step FLOPs, the parts' predicted seconds) for one step's metrics row."""
+    from lrl.rollout.pages import kv_bytes_per_token
+    D_att = cfg.n_heads * cfg.head_dim
+    embed = cfg.vocab_size * cfg.d_model
+    N = cfg.num_params() - embed * (1 if cfg.tie_embeddings else 2) + embed   # + lm head
+    trained = row["pack/tokens"]
+    generated = row["rollout/new_tokens"]
+    prefilled = row["rollout/prefill_tokens"]
+    ctx = row["rollout/kv_token_steps"]            # sum over generated tokens of their context
+    L = cfg.n_layers
+    update_f = 6 * N * trained + 6 * L * D_att * row["pack/seq_len_sq"]
+    decode_f = 2 * N * generated + 4 * L * D_att * ctx
+    prefill_f = 2 * (N - embed) * prefilled        # no logits in prefill
+    flops = update_f + decode_f + prefill_f
+    peak = a.peak_tflops * 1e12
+    weights = N * 2                                # a decode step reads the bf16 weights once
+    mean_ctx = ctx / max(generated, 1)
+    B = a.slots
+    step_bytes = weights + B * mean_ctx * kv_bytes_per_token(cfg)
+    decode_s = generated / B * step_bytes / (a.decode_frac * a.hbm_tbs * 1e12)
+    predicted = (decode_s + prefill_f / (a.prefill_mfu * peak)
+                 + update_f / (a.update_mfu * peak))
+    return flops, predicted, decode_s
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", default="long",
+                    help="long (mean 4K, cap 16K), short (cap 1K), or CONFIG[:ARG] of configs/")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=256, help="data.max_prompt_len")
+    ap.add_argument("--mean", type=float, default=None, help="mean response length (pre-cap)")
+    ap.add_argument("--cap", type=int, default=None, help="rl.max_new_tokens")
+    ap.add_argument("--slots", type=int, default=256)
+    ap.add_argument("--budget", type=int, default=0, help="rl.max_tokens_per_micro (0: derive)")
+    ap.add_argument("--chunk", type=int, default=8192, help="rl.logprob_chunk")
+    ap.add_argument("--pool-fraction", type=float, default=0.4)
+    ap.add_argument("--prefill-tokens", type=int, default=16384)
+    ap.add_argument("--recompute-old-logp", action="store_true")
+    ap.add_argument("--peak-tflops", type=float, default=791.0)
+    ap.add_argument("--hbm-tbs", type=float, default=4.1)
+    ap.add_argument("--decode-frac", type=float, default=0.50)
+    ap.add_argument("--prefill-mfu", type=float, default=0.74)
+    ap.add_argument("--update-mfu", type=float, default=0.60)
+    ap.add_argument("--workdir", default="/tmp/lrl-bench-grpo-step")
+    ap.add_argument("--json", default="", help="also write the rows here")
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args()
+    defaults = {"short": (300, 1024), "long": (4096, 16384)}
+    mean, cap = defaults.get(a.case, (4096, 16384))
+    if a.smoke:
+        mean, cap, a.prompts, a.group, a.slots, a.steps = 12, 24, 4, 2, 8, 3
+        a.prompt, a.prefill_tokens, a.chunk = 64, 256, 128
+    a.mean, a.cap = a.mean or mean, a.cap or cap
+
+    import jax
+    from lrl import loop, rewards
+    from lrl.rewards import registry
+
+    if "bench_coin" not in registry.names():
+        rewards.register("bench_coin")(_coin)
+    c = make_config(a)
+    build = loop.build_grpo
+
+    def with_lengths(*args):
+        return dataclasses.replace(build(*args), max_new_fn=lengths_fn(a.mean, a.cap, 0))
+
+    loop.build_grpo = with_lengths
+    import shutil
+    shutil.rmtree(a.workdir, ignore_errors=True)
+    t0 = time.time()
+    loop.run(c, a.workdir)
+    wall = time.time() - t0
+    from lrl import experiment
+    from lrl.tasks import text
+    opts = experiment.options(c)
+    cfg = text.model_config(opts, text.build_tokenizer(opts, a.workdir))
+    rows = [json.loads(x) for x in open(os.path.join(a.workdir, "metrics.jsonl"))]
+    rows = [r for r in rows if "pack/tokens" in r]
+    n_dev = jax.device_count()
+    out = []
+    print(f"\n{a.case}: {jax.devices()[0].device_kind} x {n_dev}, jax {jax.__version__}, "
+          f"{cfg.num_params() / 1e9:.2f}B params, {a.prompts} prompts x {a.group}, responses "
+          f"log-normal mean {a.mean:.0f} cap {a.cap}, {a.slots} slots, wall {wall:.0f} s")
+    print("| step | s | rollout s | logprob s | update s | host s | gen tok | trained tok | "
+          "resp mean | occupancy | pack fill | micro | compiles | trained tok/s/GPU | MFU | "
+          "composition |")
+    print("|" + "---|" * 16)
+    for r in rows:
+        flops, predicted, decode_s = flops_and_prediction(r, cfg, a)
+        step_s = r["time/step_s"]
+        host = step_s - r["time/rollout_s"] - r["time/logprob_s"] - r["time/update_s"]
+        rec = dict(step=r["step"], step_s=step_s, rollout_s=r["time/rollout_s"],
+                   logprob_s=r["time/logprob_s"], update_s=r["time/update_s"], host_s=host,
+                   generated=r["rollout/new_tokens"], trained=r["pack/tokens"],
+                   length_mean=r["response/length_mean"],
+                   occupancy=r.get("rollout/occupancy", float("nan")),
+                   fill=r["pack/fill"], micro=r["pack/micro_batches"],
+                   compiles=r["compiles/total"], compiles_step=r["compiles/step"],
+                   tok_s_gpu=r["pack/tokens"] / step_s / n_dev,
+                   mfu=flops / (step_s * a.peak_tflops * 1e12 * n_dev),
+                   composition=predicted / step_s, predicted_s=predicted,
+                   predicted_decode_s=decode_s, decode_steps=r.get("rollout/decode_steps"),
+                   decode_s=r.get("rollout/decode_s"), prefill_s=r.get("rollout/prefill_s"))
+        out.append(rec)
+        print(f"| {rec['step']} | {step_s:.1f} | {rec['rollout_s']:.1f} | "
+              f"{rec['logprob_s']:.1f} | {rec['update_s']:.1f} | {host:.1f} | "
+              f"{rec['generated']:.0f} | {rec['trained']:.0f} | {rec['length_mean']:.0f} | "
+              f"{rec['occupancy']:.0%} | {rec['fill']:.0%} | {rec['micro']:.0f} | "
+              f"{rec['compiles']:.0f} (+{rec['compiles_step']:.0f}) | {rec['tok_s_gpu']:.0f} | "
+              f"{rec['mfu']:.1%} | {rec['composition']:.2f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(case=a.case, args=vars(a), rows=out, wall_s=wall), f, indent=1)
+
+
+def _coin(completion: str, answer: str, **meta) -> float:
+    return float(random.random() < 0.5)
+
+
+if __name__ == "__main__":
+    main()
