@@ -373,3 +373,41 @@ def test_generate_with_the_gqa_kernel_equals_xla(tiny, kv_per_program):
         for (ta, la), (tb, lb) in zip(a, b):
             np.testing.assert_array_equal(ta, tb)
             np.testing.assert_allclose(la, lb, atol=1e-4)
+
+
+def test_pages_grow_and_preempted_samples_draw_the_same_tokens(tiny):
+    """A pool too small for every slot's samples at once: slots get pages as they grow, the
+    youngest are preempted when the pool runs short and run again from their start, and each
+    sample draws exactly what it draws in a pool that fits all (its keys are per sample and
+    step); one engine serves both batches with one decode program."""
+    _, cfg, params, _ = tiny("qwen2")
+    prompts = _prompts(cfg, [7, 3, 10, 6], seed=2)
+    kw = dict(max_new_tokens=24, num_samples=3, temperature=1.0, max_slots=6, seed=3, **SMALL)
+    want = rollout.generate(cfg, params, prompts, reserve_pages=True, **kw)
+    stats = {}
+    got = rollout.generate(cfg, params, prompts, pool_tokens=4 * 34, stats=stats, **kw)
+    assert stats["preempted"] > 0 and stats["preempted_tokens"] > 0
+    for a, b in zip(want, got):
+        for (ta, la), (tb, lb) in zip(a, b):
+            np.testing.assert_array_equal(ta, tb)
+            np.testing.assert_allclose(la, lb, atol=1e-5)
+    # reserving every sample's pages up front, the same small pool admits fewer at once
+    reserved = {}
+    rollout.generate(cfg, params, prompts, pool_tokens=4 * 34, stats=reserved,
+                     reserve_pages=True, **kw)
+    live = lambda st: st["live_slots_at_calls"] / st["decode_calls"]  # noqa: E731
+    assert reserved.get("preempted", 0) == 0 and live(reserved) < live(stats)
+    # one engine, two batches of other lengths: nothing compiles again
+    ecfg = rollout.engine_config(cfg, max_prompt_len=12, max_new_tokens=24, max_slots=6,
+                                 num_pages=40, page_size=4, prefill_chunk=8,
+                                 prefill_tokens=32, decode_block_pages=2,
+                                 prefill_block_pages=2)
+    engine = Engine(cfg, ecfg)
+    from lrl.rollout import steps
+    for lengths in ([7, 3, 10, 6], [12, 2]):
+        rollout.generate(cfg, params, _prompts(cfg, lengths, seed=4), engine=engine,
+                         max_new_tokens=16, num_samples=2, temperature=1.0, seed=0,
+                         steps_per_call=4)
+        if lengths[0] == 7:
+            n = steps.decode_steps._cache_size()
+    assert steps.decode_steps._cache_size() == n and engine.pool.all_free()

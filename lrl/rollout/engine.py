@@ -304,9 +304,11 @@ class Engine:
 
     # ---- insert
     def reserve_slot(self, prefix: Prefix, slot: int, sample_id: int, max_new_tokens: int,
-                     last: bool = False) -> SlotPlan:
-        """Pages for one sample of `prefix`. The prompt's last sample (`last`) takes over its
-        partly filled page instead of copying it; the prefix then takes no more samples."""
+                     last: bool = False, first_tokens: Optional[int] = None) -> SlotPlan:
+        """Pages for one sample of `prefix`: all it may write, or with `first_tokens` only
+        those of its first tokens (the slot then `grow`s, call by call). The prompt's last
+        sample (`last`) takes over its partly filled page instead of copying it; the prefix
+        then takes no more samples."""
         if self.slot_pages[slot] is not None:
             raise ValueError(f"slot {slot} is in use; free it first")
         if prefix.closed:
@@ -314,7 +316,8 @@ class Engine:
         T = len(prefix.tokens)
         self.check_fits(T, max_new_tokens)
         full = prefix.full_pages
-        n_own = self.sample_pages(T, max_new_tokens)
+        n_own = self.sample_pages(T, max_new_tokens if first_tokens is None
+                                  else max(1, min(first_tokens, max_new_tokens)))
         self.pool.share(full)
         src = dst = NULL_PAGE
         if prefix.partial and last:
@@ -408,6 +411,26 @@ class Engine:
         if not self.pool.all_free():
             raise RuntimeError(f"{self.pool.num_used} pages still in use after the rollout")
         self._state = state
+
+    def pages_short(self, slot: int, tokens: int) -> int:
+        """Pages slot `slot` lacks to hold its first `tokens` cache positions."""
+        return max(0, pages_for(tokens, self.ecfg.page_size) - len(self.slot_pages[slot]))
+
+    def grow(self, slot: int, tokens: int) -> bool:
+        """Gives slot `slot` pages for its first `tokens` cache positions (pages at the end of
+        its row); the device sees them after `with_page_table`. Returns whether its row
+        changed. Raises OutOfPages when the pool is short."""
+        short = self.pages_short(slot, tokens)
+        if short:
+            self.slot_pages[slot] = self.slot_pages[slot] + self.pool.alloc(short)
+        return bool(short)
+
+    def with_page_table(self, decode_state: DecodeState) -> DecodeState:
+        """The decode state with every slot's page row as the host holds it (after `grow`)."""
+        table = np.stack([self.page_row(p if p is not None else [])
+                          for p in self.slot_pages])
+        return decode_state._replace(page_table=jax.device_put(
+            table, decode_state.page_table.sharding))
 
     def free(self, decode_state: DecodeState, slots) -> DecodeState:
         """Stops the slots and returns their pages to the pool."""

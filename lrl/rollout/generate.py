@@ -127,7 +127,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
              prompt_embeds: Optional[Sequence] = None,
              prompt_positions: Optional[Sequence] = None,
              prefill_fn: Optional[Callable] = None, engine: Optional[Engine] = None,
-             decode_params=None, max_new_fn: Optional[Callable[[int], int]] = None):
+             decode_params=None, max_new_fn: Optional[Callable[[int], int]] = None,
+             reserve_pages: bool = False):
     """-> [P][G] list of (token ids int32, log-probs float32) per sample.
 
     `engine`: an engine built once for many calls (`engine_config`): its compiled programs and
@@ -136,6 +137,12 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     (`lrl.rollout.weights.DecodeWeights`), else they are relaid here. Without an engine one is
     built for this call, sized for these prompts. `max_new_fn(sample_id) -> n` (benchmarks
     only) stops sample p * G + g after n <= max_new_tokens tokens, as if its end token came.
+
+    A slot's pages grow with its sample, a decode call's worth ahead of it; when the pool
+    runs short, the youngest samples are preempted (their pages freed) and run again from
+    their start later, drawing the same tokens (their keys are per sample and step).
+    `reserve_pages` gives each sample all it may write at admission instead: fewer samples
+    fit at once, none is preempted.
 
     The pool holds `pool_tokens` tokens, or `pool_fraction` of free device memory, or by
     default enough for all prompts plus `max_slots` samples. `stats`, when a dict, is filled
@@ -195,15 +202,22 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     dparams = decode_params
     rng = jax.random.key(seed)
     results = [[None] * G for _ in range(P)]
-    queue = collections.deque(range(P))
+    queue = collections.deque(range(P))   # prompts with samples not yet admitted
+    redo = collections.deque()            # (p, g) samples preempted, to run again from start
     next_sample = [0] * P
     open_prefix = {}
     free_slots = collections.deque(range(B))
     owner: list[Optional[tuple[int, int]]] = [None] * B
+    limit = [0] * B        # tokens the slot's sample samples at most
+    done_len = [0] * B     # cache positions the slot has filled, as collected
+    admitted = []          # owned slots, oldest first: the youngest is preempted first
     out_tokens: dict[int, list] = {}
     out_logps: dict[int, list] = {}
     st = collections.Counter()
     t_prefill = t_decode = 0.0
+    # Pages grow with the samples (a call's worth ahead) unless `reserve_pages`, in which case
+    # each sample holds all it may write from the start: fewer samples fit, none is preempted.
+    grow = not reserve_pages
 
     def collect(state, out):
         """Appends a decode call's tokens to their samples; frees the slots that finished."""
@@ -220,6 +234,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             out_tokens[s].append(tokens[s, v])
             out_logps[s].append(logps[s, v])
             n = len(out_tokens[s][-1])
+            done_len[s] += n
             T = len(prompts[owner[s][0]])
             # kv tokens read by this slot's steps: T + before, ..., T + before + n - 1
             st["kv_token_steps"] += n * (T + before) + n * (n - 1) // 2
@@ -229,6 +244,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                                  np.concatenate(out_logps.pop(s)).astype(np.float32))
                 st["new_tokens"] += len(results[p][g][0])
                 owner[s] = None
+                admitted.remove(s)
                 done.append(s)
         st["decode_steps"] += int(valid.any(axis=0).sum())
         if done:
@@ -236,37 +252,80 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             free_slots.extend(done)
         return state
 
+    def preempt(state, s):
+        """Stops slot s's sample and queues it to run again from its start: its draws are keyed
+        by (sample, step), so it samples the same tokens again."""
+        st["preempted"] += 1
+        st["preempted_tokens"] += sum(len(c) for c in out_tokens.pop(s))
+        out_logps.pop(s)
+        redo.appendleft(owner[s])
+        owner[s] = None
+        admitted.remove(s)
+        free_slots.append(s)
+        return engine.free(state, [s])
+
+    limits: dict[int, int] = {}
+
+    def limit_for(sample_id: int) -> int:
+        """Tokens a sample samples at most (the same if it is preempted and run again)."""
+        if sample_id not in limits:
+            limits[sample_id] = (max_new_tokens if max_new_fn is None else
+                                 max(1, min(max_new_tokens, int(max_new_fn(sample_id)))))
+        return limits[sample_id]
+
+    def prefix_for(p):
+        if p not in open_prefix:
+            open_prefix[p] = engine.reserve_prefix(
+                prompts[p], *((prompt_embeds[p], prompt_positions[p])
+                              if prompt_embeds is not None else ()))
+            st["prompt_pages"] += len(open_prefix[p].pages)
+            st["prefill_tokens"] += len(prompts[p]) - 1
+            return open_prefix[p], True
+        return open_prefix[p], False
+
     in_flight = None   # a decode call's output not yet collected (only once no prompt waits)
-    while queue or any(o is not None for o in owner):
-        # Admission: fill free slots from the waiting samples while pages allow.
+    while queue or redo or any(o is not None for o in owner):
+        # Admission: fill free slots from the waiting samples while pages allow (keeping
+        # what the live slots need to grow through the next two calls).
         new_prefixes, plans, finished_prefixes = [], [], []
-        while free_slots and queue:
-            p = queue[0]
+        keep = sum(engine.pages_short(s, done_len[s] + 2 * steps_per_call + 1)
+                   for s in admitted) if grow else 0
+        while free_slots and (redo or queue):
+            if redo:   # a prefix of its own unless its prompt still admits samples
+                p, g = redo[0]
+                last = not (queue and queue[0] == p)
+            else:
+                p = queue[0]
+                g, last = next_sample[p], next_sample[p] == G - 1
             T = len(prompts[p])
-            need = engine.sample_pages(T, max_new_tokens)
+            n = limit_for(p * G + g)
+            first = min(steps_per_call, n) if grow else None
+            need = engine.sample_pages(T, n if first is None else first)
             if p not in open_prefix:
                 need += engine.prefix_pages(T)
-            if engine.pool.num_free < need:
+            if engine.pool.num_free - keep < need:
                 break
-            if p not in open_prefix:
-                open_prefix[p] = engine.reserve_prefix(
-                    prompts[p], *((prompt_embeds[p], prompt_positions[p])
-                                  if prompt_embeds is not None else ()))
-                new_prefixes.append(open_prefix[p])
-                st["prompt_pages"] += len(open_prefix[p].pages)
-                st["prefill_tokens"] += T - 1
+            pre, new = prefix_for(p)
+            if new:
+                new_prefixes.append(pre)
             slot = free_slots.popleft()
-            g = next_sample[p]
-            plan = engine.reserve_slot(open_prefix[p], slot, p * G + g, max_new_tokens,
-                                       last=g == G - 1)
-            if max_new_fn is not None:   # pages as for any sample; it stops early
-                plan = dataclasses.replace(plan, remaining=min(max_new_tokens,
-                                                               int(max_new_fn(p * G + g))))
+            plan = engine.reserve_slot(pre, slot, p * G + g, max_new_tokens, last=last,
+                                       first_tokens=first)
+            if n < max_new_tokens:   # a forced length (benchmarks): it stops early
+                plan = dataclasses.replace(plan, remaining=n)
             plans.append(plan)
             owner[slot], out_tokens[slot], out_logps[slot] = (p, g), [], []
-            next_sample[p] += 1
-            if next_sample[p] == G:
-                queue.popleft()
+            limit[slot], done_len[slot] = n, T - 1
+            admitted.append(slot)
+            if grow:
+                keep += engine.pages_short(slot, min(T - 1 + 2 * steps_per_call + 1, T - 1 + n))
+            if redo:
+                redo.popleft()
+            else:
+                next_sample[p] += 1
+                if next_sample[p] == G:
+                    queue.popleft()
+            if last:
                 finished_prefixes.append(open_prefix.pop(p))
         st["peak_pages"] = max(st["peak_pages"], engine.pool.num_used)
         if new_prefixes:
@@ -286,18 +345,37 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             raise RuntimeError("no sample could be admitted although the pool is empty; "
                                "this is a bug in the page accounting")
 
-        # Decode until a slot may have finished. While prompts wait, collect this call at once:
-        # its freed slots are refilled before the next call. Once none wait, launch the next
-        # call first and collect the previous one while it runs, so the device does not idle
-        # while the host reads tokens back. With the decode loop's condition on the device
-        # (`steps._DECODE_OPTIONS`), steps were faster than when every call was collected
-        # before the next was launched (BENCHMARKS.md, "Sixth session", "Overlap").
         t0 = time.perf_counter()
+        if grow:   # pages for every token the next call (and the one in flight) may write
+            ahead = steps_per_call * (2 if in_flight is not None else 1)
+            want = {s: min(done_len[s] + ahead, len(prompts[owner[s][0]]) - 1 + limit[s])
+                    for s in admitted}
+            if sum(engine.pages_short(s, n) for s, n in want.items()) > engine.pool.num_free:
+                if in_flight is not None:   # preempt only what is collected
+                    state, in_flight = collect(state, in_flight), None
+                    want = {s: min(done_len[s] + steps_per_call,
+                                   len(prompts[owner[s][0]]) - 1 + limit[s]) for s in admitted}
+                while sum(engine.pages_short(s, n) for s, n in want.items()) > \
+                        engine.pool.num_free:
+                    victim = admitted[-1]
+                    state = preempt(state, victim)
+                    want.pop(victim)
+            changed = [engine.grow(s, n) for s, n in want.items()]
+            if any(changed):
+                state = engine.with_page_table(state)
+        # Decode until a slot may have finished. While samples wait, collect this call at
+        # once: its freed slots are refilled before the next call. Once none wait, launch the
+        # next call first and collect the previous one while it runs, so the device does not
+        # idle while the host reads tokens back. With the decode loop's condition on the
+        # device (`steps._DECODE_OPTIONS`), steps were faster than when every call was
+        # collected before the next was launched (BENCHMARKS.md, "Sixth session", "Overlap").
         state, out = engine.generate(dparams, state, rng, num_steps=steps_per_call,
                                      sampling=sampling, eos_ids=eos)
         st["decode_calls"] += 1
-        st["live_slots_at_calls"] += sum(o is not None for o in owner)
-        if queue:
+        st["live_slots_at_calls"] += len(admitted)
+        if queue or redo:
+            if in_flight is not None:
+                state, in_flight = collect(state, in_flight), None
             state = collect(state, out)
         else:
             if in_flight is not None:
