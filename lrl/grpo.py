@@ -288,14 +288,16 @@ def minibatches(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray
     for samples in np.array_split(np.arange(len(groups.completions)), s.rl.minibatches):
         rows, layout, extra = pack(s, groups, adv_PG, weight, samples)
         truncated += layout["num_truncated"]
-        micro = packing.micro_batches(rows, local_shards, s.rows_per_shard)
-        # Every process must run as many micro-batches: the short ones add empty ones.
-        n = distributed.max_over_processes(len(micro))
-        micro += [{k: np.zeros_like(v) for k, v in micro[0].items()}] * (n - len(micro))
+        # Every process runs the same sequence of micro-batch shapes: one plan from all.
+        counts = packing.shard_rows(rows, local_shards)
+        if jax.process_count() > 1:
+            every = distributed.allgather_objects(counts)
+            counts = (min(c[0] for c in every), max(c[1] for c in every))
+        micro = packing.micro_batches(rows, local_shards, s.rows_per_shard, plan=counts)
         denoms = _global_denominators(micro, s.max_len)
         tokens = int(sum((mb["segment_ids"] > 0).sum() for mb in micro))
         out.append(Minibatch([mesh_lib.put_batch(s.mesh, mb) for mb in micro], denoms, extra,
-                             tokens, len(micro) * micro[0]["tokens"].size))
+                             tokens, sum(mb["tokens"].size for mb in micro)))
     return out, truncated
 
 

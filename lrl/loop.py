@@ -9,6 +9,7 @@ programs are built here, once per phase.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 
@@ -163,28 +164,35 @@ def build_grpo(r: Run, state, tx, pool) -> grpo.Setup:
     opts, task, mesh = r.opts, r.task, r.mesh
     rl_ = opts.rl
     loss_cfg = ex.loss_config(opts)
-    # The engine first: its pool stays for the run, and the update's budget is what is left.
-    engine, decode = _engine(r, state)
     kw = dict(chunk=rl_.logprob_chunk, hidden=task.hidden, extra_keys=task.extra_keys)
     update = update_lib.make_update_programs(task.model_cfg, loss_cfg, tx, mesh,
                                              fused_head=rl_.fused_head, **kw)
     shards = ex.data_shards(mesh)
     kl = bool(loss_cfg.kl_coef)
+    # The frozen reference (the policy as this phase starts), made first: it takes memory.
+    ref_params = jax.tree.map(lambda x: x.copy(), state.params) if kl else None
     memory = budget_lib.device_memory(jax.local_devices()[0])
+    sizes = dict(row_len=rl_.row_len, max_tokens=rl_.max_tokens_per_micro,
+                 longest=options_lib.longest_sample(opts),
+                 unit=sp_prefill.length_unit(opts.model.attention, mesh.shape["seq"]))
 
+    @functools.lru_cache(maxsize=None)   # each shape compiled once, whoever asks
     def need(rows_per_shard, row_len):
         spec = grpo.micro_batch_spec(rl_, task, mesh, shards * rows_per_shard, row_len, kl)
         return update_lib.need_bytes(update, state.params, spec, task.extra_spec())
 
-    available = None
-    if memory is not None:   # what the update may add to what is live now (the train state)
-        limit, in_use = memory
-        available = int(budget_lib.USABLE * limit) - in_use - (kl and _bytes(state.params))
-    budget = budget_lib.resolve(
-        row_len=rl_.row_len, max_tokens=rl_.max_tokens_per_micro,
-        longest=options_lib.longest_sample(opts),
-        unit=sp_prefill.length_unit(opts.model.attention, mesh.shape["seq"]),
-        need_bytes=need, available=available)
+    def available():   # what the update may add to what is live now
+        if memory is None:
+            return None
+        limit, in_use = budget_lib.device_memory(jax.local_devices()[0])
+        return int(budget_lib.USABLE * limit) - in_use
+
+    # The rollout's pool takes its share of what the smallest micro-batch leaves; the update's
+    # budget is then what is left.
+    least = need(*budget_lib.smallest_shape(**sizes)) if memory is not None else 0
+    engine, decode = _engine(r, state, reserve=least)
+    budget = budget_lib.resolve(**sizes, need_bytes=need if memory is not None else None,
+                                available=available())
     log.info("update micro-batch: %s", budget.describe())
     logp_fn = None
     if rl_.old_logp == "trainer" or kl:
@@ -200,14 +208,14 @@ def build_grpo(r: Run, state, tx, pool) -> grpo.Setup:
         rows_per_shard=budget.rows_per_shard, max_segments=MAX_SEGMENTS - 1,
         max_len=loss_cfg.max_len, prefill=prefill, engine=engine, decode=decode,
         # The frozen reference: the policy as this phase starts.
-        ref_params=jax.tree.map(lambda x: x.copy(), state.params) if kl else None)
+        ref_params=ref_params)
 
 
-def _engine(r: Run, state):
+def _engine(r: Run, state, reserve: int = 0):
     """The rollout engine for the whole run, sized from the options: slots, the longest prompt
     and completion, a pool of `rollout.pool_tokens` or `rollout.pool_fraction` of the memory
-    free now (never more than every slot's longest sample needs), with its pool allocated
-    now; and the decode-layout weights, relaid in place each step."""
+    free now beyond `reserve` bytes (never more than every slot's longest sample needs), with
+    its pool allocated now; and the decode-layout weights, relaid in place each step."""
     opts, cfg = r.opts, r.task.model_cfg
     ro, rl_ = opts.rollout, opts.rl
     prompt, new = options_lib.longest_prompt(opts), rl_.max_new_tokens
@@ -221,8 +229,15 @@ def _engine(r: Run, state):
     elif budget_lib.device_memory(jax.local_devices()[0]) is not None:
         tensor = r.mesh.shape["tensor"]
         shards = tensor if cfg.n_kv_heads % tensor == 0 else 1
-        num_pages = min(full, pages_lib.num_pages_for_memory(cfg, ps, ro.pool_fraction,
-                                                              kv_shards=shards))
+        limit, in_use = budget_lib.device_memory(jax.local_devices()[0])
+        free = int(budget_lib.USABLE * limit) - in_use - reserve
+        page_bytes = pages_lib.kv_bytes_per_token(cfg) * ps // shards
+        num_pages = min(full, int(free * ro.pool_fraction) // page_bytes)
+        if num_pages < pages_for(prompt + new - 1, ps) + pages_for(prompt, ps) + 1:
+            raise ValueError(
+                f"rollout.pool_fraction={ro.pool_fraction} of the {free / 2**30:.1f} GiB the "
+                f"update leaves holds {num_pages} pages of {ps} tokens, less than one sample of "
+                f"{prompt} + {new} tokens; raise it, or set rollout.pool_tokens")
     else:
         num_pages = full
     ecfg = rollout_lib.engine_config(

@@ -11,10 +11,11 @@ from lrl import compiles, config_util, loop
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Each compiled once for the run (the decode program once per sampling setting: the held-out
-# eval samples at the training temperature here).
-PROGRAMS = ("jit(_start)", "jit(_accumulate)", "jit(_apply)", "jit(logprobs)",
-            "jit(prefill_packed)", "jit(decode_steps)", "jit(insert_slots)", "jit(deactivate)",
-            "jit(_refresh)")
+# eval samples at the training temperature here) ...
+PROGRAMS = ("jit(_apply)", "jit(prefill_packed)", "jit(decode_steps)", "jit(insert_slots)",
+            "jit(deactivate)", "jit(_refresh)")
+# ... and these once per micro-batch shape: [shards x rows_per_shard, T] and [shards, T].
+PER_SHAPE = ("jit(_start)", "jit(_accumulate)", "jit(logprobs)")
 
 
 def test_ten_steps_of_varied_lengths_compile_each_program_once(tmp_path, monkeypatch):
@@ -26,7 +27,7 @@ def test_ten_steps_of_varied_lengths_compile_each_program_once(tmp_path, monkeyp
     c.data.task_kwargs.kv_retrieval.update(num_pairs=6, min_pairs=1)   # prompts of ~20-90
     c.sft.steps = 0
     c.rl.update(steps=10, prompts_per_step=4, group_size=4, max_new_tokens=24, row_len=128,
-                max_tokens_per_micro=128, minibatches=2, temperature=0.9)  # trainer old logp
+                max_tokens_per_micro=256, minibatches=2, temperature=0.9)  # trainer old logp
     c.eval.update(every=5, num_prompts=4, k=2, temperature=0.9)
     c.data.eval_size = 4
     c.checkpoint.every_steps = 0
@@ -58,3 +59,5 @@ def test_ten_steps_of_varied_lengths_compile_each_program_once(tmp_path, monkeyp
     assert [r["compiles/step"] for r in steps[2:]] == [0] * 8, [r["compiles/step"] for r in steps]
     for name in PROGRAMS:
         assert counts.get(name) == 1, (name, {k: v for k, v in counts.items() if v > 1})
+    for name in PER_SHAPE:
+        assert counts.get(name) in (1, 2), (name, counts.get(name))

@@ -242,6 +242,7 @@ def test_console_of_a_tiny_run_is_progress_evals_and_a_summary(tmp_path):
                 "--config.rl.steps=2",
                 "--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
                 "--config.rl.max_new_tokens=6", "--config.rl.row_len=128",
+                "--config.data.max_prompt_len=96",
                 "--config.eval.every=2", "--config.eval.num_prompts=2", "--config.eval.k=2",
                 "--config.data.eval_size=2", "--config.metrics.tensorboard=False")
     assert out.returncode == 0, out.stderr[-3000:]

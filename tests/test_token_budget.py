@@ -74,19 +74,22 @@ def test_host_micro_batches_equal_one_batch(aggregation, sizes, attention):
     assert len(counts) == 3 and float(ref["clip_frac_low"]) + float(ref["clip_frac_high"]) > 0
 
 
-def test_one_micro_batch_shape_compiles_once_for_any_count():
+def test_two_micro_batch_shapes_compile_once_for_any_count():
     rng = np.random.RandomState(1)
     tx = optax.adam(1e-3)
     loss = LossConfig(aggregation="token_mean", max_len=40)
     u = upd.make_update_programs(CFG, loss, tx)
     state = upd.init_train_state(models.init_params(CFG, jax.random.key(0)), tx)
-    for n in (3, 11, 25):   # 1, 3 and 6 micro-batches of [2, 64]
+    shapes = set()
+    for n in (3, 11, 25):   # micro-batches of [2, 64], the last rows in [1, 64]
         micro = packing.micro_batches(_rows(rng, n, 64), 1, 2)
+        shapes |= {mb["tokens"].shape for mb in micro}
         state, m = upd.run_update(u, state, [mesh_lib.put_batch(None, mb) for mb in micro],
                                   upd.host_denominators(micro, 40))
         assert np.isfinite(float(m["loss"]))
-    for name in ("start", "accumulate", "apply"):
-        assert getattr(u.programs, name)._cache_size() == 1, name
+    assert shapes == {(2, 64), (1, 64)}
+    assert u.programs.accumulate._cache_size() == 2     # one program per shape
+    assert u.programs.start._cache_size() <= 2 and u.programs.apply._cache_size() == 1
 
 
 def test_best_fit_fills_rows_balances_shards_and_bounds_segments():
@@ -150,8 +153,11 @@ def test_the_budget_is_derived_from_the_compiled_update():
     got = budget_lib.resolve(row_len=256, max_tokens=0, longest=200, unit=1, need_bytes=need,
                              available=(n2 + n4) // 2)
     assert got.derived and got.rows_per_shard in (2, 3) and got.need_bytes <= (n2 + n4) // 2
-    one_row = budget_lib.resolve(row_len=0, max_tokens=0, longest=200, unit=1,
-                                 need_bytes=need, available=need(1, 1024) + 1, align=128)
-    assert one_row.rows_per_shard == 1 and 896 <= one_row.row_len <= 1024
+    # rl.row_len=0: a row of the longest sample (at least the floor), rows from memory
+    rows = budget_lib.resolve(row_len=0, max_tokens=0, longest=200, unit=1, need_bytes=need,
+                              available=need(3, 256) + 1, row_floor=256)
+    assert (rows.row_len, rows.rows_per_shard) == (256, 3)
+    assert budget_lib.smallest_shape(row_len=0, max_tokens=0, longest=200, unit=1,
+                                     row_floor=256) == (1, 256)
     cpu = budget_lib.resolve(row_len=0, max_tokens=0, longest=200, unit=4)
     assert (cpu.row_len, cpu.rows_per_shard) == (256, 1)   # no memory reading: one sample's row

@@ -39,7 +39,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+# This folder's profile.py would shadow the standard library's (torch imports cProfile).
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 # Model shapes of the configs' models (random weights here).
 SHAPES = {
@@ -152,8 +154,13 @@ def main():
         a.prompt, a.prefill_tokens, a.chunk = 64, 256, 128
     a.mean, a.cap = a.mean or mean, a.cap or cap
 
+    import logging
+
     import jax
     from lrl import loop, rewards
+    # The loop's own sizing lines (the micro-batch budget, the engine's pool) on the console.
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("lrl.loop").setLevel(logging.INFO)
     from lrl.rewards import registry
 
     if "bench_coin" not in registry.names():

@@ -27,7 +27,8 @@ of runs a row). Their number is padded with empty rows up to a multiple the call
 For an update cut by a token budget, `balance_rows` spreads the packed rows over the
 data-parallel shards so every shard gets nearly the same tokens (largest row first, to the
 shard with the fewest tokens, as LPT scheduling), and `micro_batches` cuts the rows into
-micro-batches of one shape [shards x rows_per_shard, T], each shard's rows in its block.
+micro-batches of [shards x rows_per_shard, T] and, for the last rows, [shards, T], each
+shard's rows in its block.
 """
 from __future__ import annotations
 
@@ -116,25 +117,41 @@ def balance_rows(row_tokens: Sequence[int], num_shards: int) -> list[list[int]]:
     return shards
 
 
-def micro_batches(batch: Mapping[str, np.ndarray], num_shards: int,
-                  rows_per_shard: int) -> list[dict[str, np.ndarray]]:
-    """Packed rows -> micro-batches of [num_shards x rows_per_shard, ...] arrays. Rows are
-    balanced over shards by tokens (`balance_rows`); micro-batch i holds rows i·k .. i·k+k-1
-    of each shard's list, shard s in rows [s·k, (s+1)·k) (rows shard over devices in
-    contiguous blocks). A shard short of rows gets empty ones (all zeros, segment 0: no
-    loss, no gradient). Rows with no token at all are dropped first: they cost nothing."""
+def shard_rows(batch: Mapping[str, np.ndarray], num_shards: int) -> tuple[int, int]:
+    """(fewest, most) rows a shard gets from `balance_rows`: what `micro_batches`' plan is made
+    of (several processes agree on a plan from every process's counts)."""
+    tokens = (np.asarray(batch["segment_ids"]) > 0).sum(axis=1)
+    n = int((tokens > 0).sum())
+    return n // num_shards, -(-n // num_shards)
+
+
+def micro_batches(batch: Mapping[str, np.ndarray], num_shards: int, rows_per_shard: int,
+                  plan: tuple[int, int] | None = None) -> list[dict[str, np.ndarray]]:
+    """Packed rows -> micro-batches of [num_shards x k, ...] arrays, in two shapes at most:
+    k = rows_per_shard while every shard has that many rows left, then k = 1 for the rest, so
+    a minibatch's last rows do not ride in a micro-batch of mostly empty rows. Rows are
+    balanced over shards by tokens (`balance_rows`); micro-batch i holds the next k rows of
+    each shard's list, shard s in rows [s·k, (s+1)·k) (rows shard over devices in contiguous
+    blocks). A shard short of rows gets empty ones (all zeros, segment 0: no loss, no
+    gradient). Rows with no token at all are dropped first: they cost nothing. `plan`:
+    (fewest, most) rows of a shard to cut by, when several processes must run the same
+    sequence of shapes (`shard_rows` of each, the min of fewest and the max of most)."""
     seg = np.asarray(batch["segment_ids"])
     tokens = (seg > 0).sum(axis=1)
     live = np.flatnonzero(tokens > 0)
     per_shard = balance_rows(tokens[live], num_shards)
-    k = int(rows_per_shard)
-    n = max(1, max(-(-len(p) // k) for p in per_shard))
-    out = []
-    for i in range(n):
+    fewest, most = plan if plan is not None else (min(len(p) for p in per_shard),
+                                                 max(len(p) for p in per_shard))
+    K = int(rows_per_shard)
+    full = fewest // K                                  # micro-batches of K rows a shard
+    sizes = [K] * full + [1] * max(1, most - full * K)
+    out, at = [], 0
+    for k in sizes:
         pick = np.full(num_shards * k, -1, np.int64)
         for s, rows in enumerate(per_shard):
-            part = rows[i * k:(i + 1) * k]
+            part = rows[at:at + k]
             pick[s * k:s * k + len(part)] = live[part]
+        at += k
         mb = {}
         for key, x in batch.items():
             x = np.asarray(x)

@@ -7,8 +7,11 @@ parameters, optimizer state and gradient accumulator do not), then checking the 
 by compiling it too.
 
 A micro-batch is `rows_per_shard` packed rows of `row_len` tokens on each data shard (a row
-spans the shard's `seq` devices). With `rl.row_len=0` a micro-batch is one row a shard and
-the budget is the row's length.
+spans the shard's `seq` devices). With `rl.row_len=0` and a budget to derive, a row holds the
+longest sample and at least `ROW_FLOOR` tokens, and memory sets how many rows a micro-batch
+takes; with `rl.row_len=0` and a configured budget, a micro-batch is one row of the budget.
+A minibatch's last rows go in micro-batches of one row a shard (`packing.micro_batches`), so
+the update compiles for two shapes at most.
 """
 from __future__ import annotations
 
@@ -22,6 +25,10 @@ log = logging.getLogger(__name__)
 # fragmentation and buffers the analysis does not see (host transfers, the sampler's
 # leftovers) take the rest.
 USABLE = 0.9
+# The shortest row a derived budget uses: long enough that the update runs near its best rate
+# (BENCHMARKS.md's update table: 41.6% MFU in rows of 4K against 49% at 16K), short enough
+# that a minibatch fills its rows.
+ROW_FLOOR = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +73,22 @@ def _round_up(n: int, unit: int) -> int:
     return -(-int(n) // unit) * unit
 
 
+def smallest_shape(*, row_len: int, max_tokens: int, longest: Optional[int], unit: int,
+                   align: int = 128, row_floor: int = ROW_FLOOR) -> tuple[int, int]:
+    """(rows a shard, row length) of the smallest micro-batch `resolve` can choose: what the
+    update needs at the least, whatever else (the rollout's pool) takes memory first."""
+    import math
+    if row_len:
+        return (max_tokens // row_len if max_tokens else 1), row_len
+    if max_tokens:
+        return 1, max_tokens // unit * unit or unit
+    return 1, _round_up(max(longest or 1, row_floor), math.lcm(unit, align))
+
+
 def resolve(*, row_len: int, max_tokens: int, longest: Optional[int], unit: int,
             need_bytes: Optional[Callable[[int, int], int]] = None,
-            available: Optional[int] = None, max_rows: int = 64, align: int = 128) -> Budget:
+            available: Optional[int] = None, max_rows: int = 64, align: int = 128,
+            row_floor: int = ROW_FLOOR) -> Budget:
     """The micro-batch shape.
 
     `row_len` / `max_tokens`: the config's (0 = derive); `longest`: the most tokens a sample
@@ -94,13 +114,12 @@ def resolve(*, row_len: int, max_tokens: int, longest: Optional[int], unit: int,
     if not row_len:
         if longest is None:
             raise ValueError("rl.row_len=0 needs a bound on the sample length")
-        base = _round_up(longest, derived_unit)
         if not measurable:
+            base = _round_up(longest, derived_unit)
             log.info("device memory cannot be read: one row of the longest sample (%d tokens) "
                      "a micro-batch", base)
             return Budget(base, 1, derived=True)
-        return _fit(lambda n: need_bytes(1, n), base, derived_unit, available,
-                    lambda n: Budget(n, 1, True), longest, max_scale=16)
+        row_len = _round_up(max(longest, row_floor), derived_unit)
     if not measurable:
         return Budget(row_len, 1, derived=True)
     return _fit(lambda k: need_bytes(k, row_len), 1, 1, available,
