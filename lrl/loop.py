@@ -193,7 +193,7 @@ def build_grpo(r: Run, state, tx, pool) -> grpo.Setup:
     engine, decode = _engine(r, state, reserve=least)
     budget = budget_lib.resolve(**sizes, need_bytes=need if memory is not None else None,
                                 available=available())
-    log.info("update micro-batch: %s", budget.describe())
+    r.writer.note(f"update micro-batch: {budget.describe()}")
     logp_fn = None
     if rl_.old_logp == "trainer" or kl:
         logp_fn = update_lib.make_logprobs_fn(task.model_cfg, mesh, **kw)
@@ -247,9 +247,9 @@ def _engine(r: Run, state, reserve: int = 0):
         sampling=rollout_lib.SamplingParams(rl_.temperature, rl_.top_k, rl_.top_p))
     engine = rollout_lib.Engine(cfg, ecfg, r.mesh)
     engine.keep_state(engine.take_state())
-    log.info("rollout engine: %d slots, %d pages of %d tokens (%d tokens), prefill calls of "
-             "%d x %d", ro.max_slots, num_pages, ps, num_pages * ps, ecfg.rows_per_prefill,
-             ecfg.prefill_chunk)
+    r.writer.note(f"rollout engine: {ro.max_slots} slots, a pool of {num_pages * ps} tokens "
+                  f"({num_pages} pages of {ps}), prefill calls of {ecfg.rows_per_prefill} x "
+                  f"{ecfg.prefill_chunk} tokens")
     return engine, decode
 
 

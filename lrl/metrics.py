@@ -184,6 +184,12 @@ class MetricsWriter:
         if self.primary:
             print(text, file=self.stream, flush=True)
 
+    def note(self, text: str) -> None:
+        """A line under the phase's banner: how the phase sized itself (its programs' shapes,
+        the rollout's pool), decided at its start."""
+        if self.primary:
+            print(f"   {text}", file=self.stream, flush=True)
+
     def summary(self) -> None:
         """The closing summary, from metrics.jsonl (so a resumed run's earlier steps count):
         steps, loss / reward, held-out reward before and after, wall time, outputs."""

@@ -235,8 +235,8 @@ def test_chunked_prefill_equals_one_shot(tiny):
 
 def test_short_prompts_share_prefill_rows_in_calls_of_one_shape(tiny):
     """Six prompts of 3 to 16 tokens packed first-fit into rows of 16 (four rows), two rows a
-    call: two calls of one [2, 16] shape; the pages equal those of one row a call; other
-    lengths compile nothing new."""
+    call: two calls of one [2, 16] shape; the pages equal those of one row a call; with the
+    shape fixed (prefill_rows), other lengths compile nothing new."""
     from lrl.rollout import steps
     _, cfg, params, _ = tiny("qwen2")
     prompts = _prompts(cfg, [9, 12, 16, 4, 7, 3], seed=5)   # 8, 11, 15, 3, 6, 2 cached
@@ -258,16 +258,16 @@ def test_short_prompts_share_prefill_rows_in_calls_of_one_shape(tiny):
     assert sum(len(c) for c in runs[1][0]) == 4 and all(len(c) == 1 for c in runs[1][0])
     for a, b in zip(runs[0][1], runs[1][1]):
         np.testing.assert_allclose(a, b, atol=1e-5)
-    n = steps.prefill_packed._cache_size()
     engine = Engine(cfg, EngineConfig(page_size=4, num_pages=40, max_slots=6,
-                                      max_pages_per_slot=8, prefill_chunk=16,
-                                      prefill_batch_tokens=32, prefill_block_pages=2,
-                                      decode_block_pages=2))
+                                      max_pages_per_slot=8, prefill_chunk=16, prefill_rows=2,
+                                      prefill_block_pages=2, decode_block_pages=2))
+    counts = []
     for lengths in ([5, 6], [16, 2, 9, 13, 4]):   # other lengths, the same call shape
         pre = [engine.reserve_prefix(p) for p in _prompts(cfg, lengths, seed=7)]
         engine.run_prefill(engine.decode_params(params), engine.init_decode_state(), pre)
         engine.pool.release([q for p in pre for q in p.holds])
-    assert steps.prefill_packed._cache_size() == n   # nothing new compiled
+        counts.append(steps.prefill_packed._cache_size())
+    assert counts[1] == counts[0]   # nothing new compiled for the second batch
     with pytest.raises(ValueError, match="prefill_batch_tokens must be >= 1"):
         EngineConfig(prefill_batch_tokens=0)
 

@@ -213,30 +213,45 @@ class Engine:
         return row
 
     def run_prefill(self, params, state: DecodeState, prefixes) -> DecodeState:
-        """Fills the pages of `prefixes` in calls of one shape, [R, C] (`rows_per_prefill`,
-        `prefill_chunk`), so that no mix of prompt lengths compiles anew: the first C tokens
-        of every prompt packed first-fit into rows, each attending to itself
-        (`prefill_packed`); then, for prompts longer than C, chunk after chunk of C tokens,
-        one prompt a row, attending to the pages already written (`prefill_chunk`).
-        Multimodal prompts (embeddings in, not ids) go in calls of their own."""
+        """Fills the pages of `prefixes`: the first C tokens of every prompt packed first-fit
+        into rows of C, each attending to itself (`prefill_packed`); then, for prompts longer
+        than C, chunk after chunk of C tokens, one prompt a row, attending to the pages
+        already written (`prefill_chunk`). Multimodal prompts (embeddings in, not ids) go in
+        calls of their own. With `prefill_rows` set (an engine built for a run,
+        `engine_config`) every call is [prefill_rows, prefill_chunk], so no mix of prompt
+        lengths compiles anew; without it a call is sized to its prompts (C a power of two up
+        to prefill_chunk, R a power of two within prefill_batch_tokens)."""
         kp, vp = state.k_pages, state.v_pages
         todo = [p for p in prefixes if p.cached > 0]
+        e = self.ecfg
         for multimodal in (False, True):
             group = [p for p in todo if (p.embeds is not None) == multimodal]
-            for rows in _batches(_first_fit(group, self.ecfg.prefill_chunk),
-                                 self.ecfg.rows_per_prefill):
-                kp, vp = self._packed_call(params, kp, vp, rows)
-            C = self.ecfg.prefill_chunk
-            for k in range(1, max((-(-p.cached // C) for p in group), default=0)):
+            if not group:
+                continue
+            C = e.prefill_chunk if e.prefill_rows else min(
+                e.prefill_chunk, max(16, 1 << (max(p.cached for p in group) - 1).bit_length()))
+            rows = _first_fit(group, C)
+            R = self._rows(C, len(rows))
+            for part in _batches(rows, R):
+                kp, vp = self._packed_call(params, kp, vp, part, R, C)
+            for k in range(1, max(-(-p.cached // C) for p in group)):
                 longer = [p for p in group if p.cached > k * C]
-                for part in _batches([[p] for p in longer], self.ecfg.rows_per_prefill):
-                    kp, vp = self._prefill_call(params, kp, vp, [r[0] for r in part], k * C)
+                R = self._rows(C, len(longer))
+                for part in _batches(longer, R):
+                    kp, vp = self._prefill_call(params, kp, vp, part, k * C, R, C)
         return state._replace(k_pages=kp, v_pages=vp)
 
-    def _packed_call(self, params, kp, vp, rows):
-        """One `prefill_packed` call: `rows` (at most R) lists of prefixes sharing a row."""
+    def _rows(self, C: int, needed: int) -> int:
         e = self.ecfg
-        R, C, ps = e.rows_per_prefill, e.prefill_chunk, e.page_size
+        if e.prefill_rows:
+            return e.prefill_rows
+        return max(1, min(e.prefill_batch_tokens // C, 1 << max(0, needed - 1).bit_length()))
+
+    def _packed_call(self, params, kp, vp, rows, R: int, C: int):
+        """One `prefill_packed` call [R, C]: `rows` (at most R) lists of prefixes sharing a
+        row."""
+        e = self.ecfg
+        ps = e.page_size
         tokens, positions, segments, pages, offsets = (np.zeros((R, C), np.int32)
                                                        for _ in range(5))
         multimodal = rows[0][0].embeds is not None
@@ -265,10 +280,9 @@ class Engine:
         return prefill_packed(self.cfg, e, params, kp, vp, tokens, positions, segments, pages,
                               offsets, embeds_BCD=embeds, rope_pos_3BC=rope)
 
-    def _prefill_call(self, params, kp, vp, prefixes, start):
-        """One `prefill_chunk` call: tokens [start, start + C) of each prefix (at most R), one a
-        row, attending to their pages."""
-        B, C = self.ecfg.rows_per_prefill, self.ecfg.prefill_chunk
+    def _prefill_call(self, params, kp, vp, prefixes, start, B: int, C: int):
+        """One `prefill_chunk` call [B, C]: tokens [start, start + C) of each prefix (at most
+        B), one a row, attending to their pages."""
         tokens = np.zeros((B, C), np.int32)
         n_valid = np.zeros(B, np.int32)
         table = np.full((B, self.ecfg.pages_per_slot), NULL_PAGE, np.int32)

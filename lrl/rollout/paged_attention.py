@@ -156,14 +156,11 @@ def decode_attention(q_BTNH, k_pages, v_pages, table_BY, kv_len_B, layer_base, *
 
 def packed_self_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT):
     """Causal attention within each of the prompts packed into a row (nothing of them is in the
-    pages yet): cuDNN's packed layout on GPU in half precision, else the training model's XLA
-    path. Padding is segment 0, after the prompts: it sees only itself."""
-    if jax.default_backend() == "gpu" and q_BTNH.dtype in (jnp.bfloat16, jnp.float16):
-        from lrl.models import flash
-        return flash.dense_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT,
-                                     implementation="cudnn")
-    from lrl.models.attention import xla_attention
-    return xla_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+    pages yet): cuDNN's packed layout on GPU in half precision, else the blockwise XLA kernel
+    (memory per block, not per row squared: a row may be thousands of tokens). Padding is
+    segment 0, after the prompts: it sees only itself."""
+    from lrl.models import flash
+    return flash.dense_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
 
 
 def chunk_self_attention(q_BTNH, k_BTKH, v_BTKH):
