@@ -17,10 +17,15 @@ Three levels of a sequence's ratio, each computed over its trained tokens only:
 (token: verl's TIS and lrl's `tis_cap` of old; sequence: verl's `rollout_is="sequence"`;
 geometric: the geometric mean capped alike). `keep_mask`: masked importance sampling, 0
 for a token (token level) or for every token of a sequence (sequence, geometric) whose
-ratio leaves [low, high], as verl's rejection `rollout_rs` token / sequence / geometric and
-SkyRL's geometric sequence mask. `staleness_weight`: a weight from a sample's age in policy
-versions (the number of optimizer steps between the parameters that sampled it and those
-that train on it).
+ratio leaves [low, high], as the token / sequence / geometric levels of verl's rejection
+sampling (`rollout_rs` with `rollout_rs_threshold(_lower)`, before verl moved to KL-based
+filters) and SkyRL's geometric sequence mask. One difference: the loss keeps the
+denominators of its loss mask (a masked token adds 0), as verl's IcePop weights do, where
+verl's rejection removes the tokens from the mask first; under token_mean, masking a share
+m of the tokens gives (1 - m) times verl's loss. That keeps the denominators computed once
+on the host, before the old log-probs exist. `staleness_weight`: a weight from a sample's
+age in policy versions (the number of optimizer steps between the parameters that sampled
+it and those that train on it).
 
 All are stop-gradient constants of old and rollout log-probs, so they can be formed before
 the lm head's fused pass (lrl.rl.fused_head) as well as inside the unfused loss. A sequence

@@ -189,10 +189,11 @@ def _correction(cfg: LossConfig, on, segment_ids, old_logp, rollout_logp, age):
     """-> (IS weight, keep mask, staleness weight), each 1 where off, without gradient: the
     policy term of a token is multiplied by IS x staleness, and its whole term by keep. The
     sampler drew the tokens and the trainer's old log-probs judge them, so the ratio is
-    old / rollout (verl's rollout correction). `segment_ids` None: token level only."""
+    old / rollout (verl's rollout correction). `rollout_logp` None: no IS weight or mask;
+    `age` None: no staleness weight; `segment_ids` None: token level only."""
     ones = jnp.ones(on.shape, jnp.float32)
     w_is, keep, stale = ones, ones, ones
-    if cfg.corrects_rollout:
+    if cfg.corrects_rollout and rollout_logp is not None:
         log_ratio = jnp.where(on, old_logp - rollout_logp, 0.0)
         if cfg.tis_cap is not None:
             w_is = correction.is_weight(log_ratio, on, segment_ids, level=cfg.tis_level,
@@ -200,7 +201,7 @@ def _correction(cfg: LossConfig, on, segment_ids, old_logp, rollout_logp, age):
         if cfg.mask_level is not None:
             keep = correction.keep_mask(log_ratio, on, segment_ids, level=cfg.mask_level,
                                         low=cfg.mask_low, high=cfg.mask_high)
-    if cfg.weighs_staleness:
+    if cfg.weighs_staleness and age is not None:
         stale = jnp.where(on, correction.staleness_weight(
             age, decay=cfg.staleness_decay, max_age=cfg.max_staleness), 1.0)
     return w_is, keep, stale
@@ -311,11 +312,11 @@ def token_loss_aux(mask_BT, segment_ids_BT, denoms: Denominators, cfg: LossConfi
                 f"loss: a sequence-level rollout correction (tis_level={cfg.tis_level!r}, "
                 f"mask_level={cfg.mask_level!r}) needs old_logp_BT: the fused pass forms each "
                 "token's term before the sequence's other log-probs exist")
-        old = None if on_policy else jnp.asarray(old_logp_BT, jnp.float32)
         rollout = None if rollout_logp_BT is None else jnp.asarray(rollout_logp_BT, jnp.float32)
+        # On-policy, the IS weight and mask wait for this pass's log-probs (`token_loss`).
         w_is, keep, stale = _correction(
-            dataclasses.replace(cfg, tis_cap=None, mask_level=None) if on_policy else cfg,
-            on_BT, segment_ids_BT, old, rollout, age_BT)
+            cfg, on_BT, segment_ids_BT, None if on_policy else jnp.asarray(old_logp_BT),
+            None if on_policy else rollout, age_BT)
         aux["corr"] = w_is * stale
         w_BT = w_BT * keep
         if on_policy and cfg.corrects_rollout:
@@ -333,9 +334,7 @@ def token_loss(logp, ent, aux, *, cfg: LossConfig):
     pg, _ = _clipped_pg(jnp.where(on, logp - old, 0.0), aux["adv"], cfg)
     corr, keep = aux.get("corr", 1.0), 1.0
     if "rollout" in aux:   # on-policy: this pass's log-probs are the trainer's old ones
-        w_is, keep, _ = _correction(dataclasses.replace(cfg, max_staleness=None,
-                                                        staleness_decay=1.0),
-                                    on, None, old, aux["rollout"], None)
+        w_is, keep, _ = _correction(cfg, on, None, old, aux["rollout"], None)
         corr = corr * w_is
     term = jnp.where(on, pg * corr, 0.0)
     if cfg.kl_coef != 0.0:
