@@ -392,16 +392,24 @@ _mismatch_sums = jax.jit(lambda trainer_BT, sampler_BT, pos_BT: mismatch.mismatc
 def mismatch_metrics(s: Setup, params, batches: list[Minibatch], step_index: int) -> dict:
     """The sampler's log-probs against the trainer's for the same tokens, before any update
     of this step (lrl.rl.mismatch): over every micro-batch when the old log-probs come from a
-    trainer forward, else over a `rl.mismatch_fraction` share of the step's micro-batches
-    (at least one), drawn by the seed and step (the same on every process), that a forward
-    pass re-scores. With temperature != 1, top-k or top-p the sampler's log-probs are those
-    of the distribution it drew from, so the numbers include that difference too."""
+    trainer forward, else over a `rl.mismatch_fraction` share of the step's micro-batches,
+    drawn by the seed and step (the same on every process), that a forward pass re-scores:
+    at least one of each micro-batch shape the step has, so that pass compiles a shape in
+    the step whose update first compiles it, never later. With temperature != 1, top-k or
+    top-p the sampler's log-probs are those of the distribution it drew from, so the numbers
+    include that difference too."""
     if s.rl.mismatch_fraction == 0:
         return {}
     micro = [(b, mb) for b in batches for mb in b.micro]
     if s.rl.old_logp != "trainer":
-        k = min(len(micro), max(1, math.ceil(s.rl.mismatch_fraction * len(micro))))
-        pick = np.random.default_rng([s.seed, step_index]).choice(len(micro), k, replace=False)
+        rng = np.random.default_rng([s.seed, step_index])
+        shapes = [mb["tokens"].shape for _, mb in micro]
+        pick = [int(rng.choice([i for i, x in enumerate(shapes) if x == shape]))
+                for shape in sorted(set(shapes))]
+        rest = [i for i in range(len(micro)) if i not in pick]
+        more = math.ceil(s.rl.mismatch_fraction * len(micro)) - len(pick)
+        if more > 0:
+            pick += [int(i) for i in rng.choice(rest, more, replace=False)]
         micro = [micro[i] for i in sorted(pick)]
     t0 = time.time()
     sums = [_mismatch_sums(mb["old_logp"] if s.rl.old_logp == "trainer"

@@ -135,7 +135,7 @@ TINY = models.ModelConfig(model_type="qwen2", vocab_size=64, d_model=32, n_layer
                           n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64, remat="none")
 
 
-def _mismatch_setup(**rl_kw):
+def _mismatch_setup(rows_per_shard=1, **rl_kw):
     from lrl.rl import update as upd
     rl = _rl(max_new_tokens=8, **rl_kw)
     ro = options.RolloutOptions(page_size=4, max_slots=8, pool_tokens=0, pool_fraction=0.4,
@@ -143,11 +143,11 @@ def _mismatch_setup(**rl_kw):
     return grpo.Setup(rl=rl, rollout=ro, seed=5, task=_TextRows(), tokenizer=None,
                       model_cfg=TINY, mesh=None, eos_ids=(), pool=None, update=None,
                       logprobs=upd.make_logprobs_fn(TINY, chunk=16), shards=1, row_len=32,
-                      rows_per_shard=1, max_segments=8)
+                      rows_per_shard=rows_per_shard, max_segments=8)
 
 
 def test_mismatch_metrics_of_a_step_read_the_sampler_log_probs_packed_with_the_tokens():
-    s = _mismatch_setup(mismatch_fraction=0.25)
+    s = _mismatch_setup(rows_per_shard=2, mismatch_fraction=0.25)
     params = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x,
                           models.init_params(TINY, jax.random.key(1)))
     rng = np.random.RandomState(0)
@@ -156,11 +156,17 @@ def test_mismatch_metrics_of_a_step_read_the_sampler_log_probs_packed_with_the_t
     adv, weight = np.ones((4, 2), np.float32), np.ones(8, np.float32)
     batches, _ = grpo.minibatches(s, groups, adv, weight)
     n_micro = sum(len(b.micro) for b in batches)
-    assert n_micro >= 4 and {"rollout_logp", "response_pos"} <= set(batches[0].micro[0])
+    shapes = {mb["tokens"].shape for b in batches for mb in b.micro}
+    assert n_micro >= 4 and shapes == {(2, 32), (1, 32)}
+    assert {"rollout_logp", "response_pos"} <= set(batches[0].micro[0])
     # The engine's fp32 log-probs are the trainer's: no mismatch, on a quarter of the
-    # micro-batches (rounded up).
-    m = grpo.mismatch_metrics(s, params, batches, step_index=3)
-    assert m["mismatch/micro_batches"] == -(-n_micro // 4)
+    # micro-batches (rounded up), at least one of each shape.
+    seen = []
+    monkey = dataclasses.replace(s, logprobs=lambda p, mb, e: seen.append(mb["tokens"].shape)
+                                 or s.logprobs(p, mb, e))
+    m = grpo.mismatch_metrics(monkey, params, batches, step_index=3)
+    assert m["mismatch/micro_batches"] == max(2, -(-n_micro // 4)) == len(seen)
+    assert set(seen) == shapes
     assert 0 < m["mismatch/tokens"] < 8 * 8 and m["mismatch/abs_max"] < 1e-4
     # Sampler log-probs 0.5 below the trainer's: |Δ| = 0.5, k1 = -0.5, k3 = e^.5 - 1.5, no
     # ratio outside [0.5, 2]; 1.0 below: every ratio e > 2 is outside. All micro-batches.
