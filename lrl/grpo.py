@@ -412,9 +412,11 @@ def mismatch_metrics(s: Setup, params, batches: list[Minibatch], step_index: int
             pick += [int(i) for i in rng.choice(rest, more, replace=False)]
         micro = [micro[i] for i in sorted(pick)]
     t0 = time.time()
+    # Where the sampler's log-probs serve as old log-probs, the rows carry them once.
     sums = [_mismatch_sums(mb["old_logp"] if s.rl.old_logp == "trainer"
                            else s.logprobs(params, mb, b.extra),
-                           mb["rollout_logp"], mb["response_pos"]) for b, mb in micro]
+                           mb["rollout_logp"] if "rollout_logp" in mb else mb["old_logp"],
+                           mb["response_pos"]) for b, mb in micro]
     total = None
     for part in jax.device_get(sums):
         total = part if total is None else mismatch.combine_sums(total, part)

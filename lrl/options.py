@@ -267,9 +267,10 @@ class RLOptions:
 
     @property
     def carries_rollout_logp(self) -> bool:
-        """The update rows carry the sampler's log-probs (`rollout_logp`): for the mismatch
-        metrics or a rollout correction."""
-        return self.mismatch_fraction > 0 or self.loss.corrects_rollout
+        """The update rows carry the sampler's log-probs (`rollout_logp`): for a rollout
+        correction, or for the mismatch metrics unless they are the old log-probs already."""
+        return self.loss.corrects_rollout or (self.mismatch_fraction > 0
+                                              and self.old_logp != "sampler")
 
 
 @dataclasses.dataclass(frozen=True)

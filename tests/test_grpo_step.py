@@ -158,7 +158,9 @@ def test_mismatch_metrics_of_a_step_read_the_sampler_log_probs_packed_with_the_t
     n_micro = sum(len(b.micro) for b in batches)
     shapes = {mb["tokens"].shape for b in batches for mb in b.micro}
     assert n_micro >= 4 and shapes == {(2, 32), (1, 32)}
-    assert {"rollout_logp", "response_pos"} <= set(batches[0].micro[0])
+    # Plain sampling: the sampler's log-probs are the old ones, carried once.
+    assert s.rl.old_logp == "sampler" and "rollout_logp" not in batches[0].micro[0]
+    assert {"old_logp", "response_pos"} <= set(batches[0].micro[0])
     # The engine's fp32 log-probs are the trainer's: no mismatch, on a quarter of the
     # micro-batches (rounded up), at least one of each shape.
     seen = []
@@ -181,7 +183,12 @@ def test_mismatch_metrics_of_a_step_read_the_sampler_log_probs_packed_with_the_t
                                    rtol=1e-4)
         assert m["mismatch/pos_0_256/tokens"] == 64 and "mismatch/pos_256_1k/abs_mean" not in m
     # The update's inputs lose the metrics' arrays (rollout_logp stays when the loss reads it).
-    assert not {"rollout_logp", "response_pos"} & set(grpo.loss_inputs(s, batches)[0].micro[0])
+    assert "response_pos" not in grpo.loss_inputs(s, batches)[0].micro[0]
+    trainer = dataclasses.replace(s, rl=_rl(max_new_tokens=8, recompute_old_logp=True,
+                                            minibatches=2, mismatch_fraction=1.0))
+    rows = grpo.minibatches(trainer, groups, adv, weight)[0]
+    assert trainer.rl.old_logp == "trainer" and "rollout_logp" in rows[0].micro[0]
+    assert not {"rollout_logp", "response_pos"} & set(grpo.loss_inputs(trainer, rows)[0].micro[0])
     assert grpo.mismatch_metrics(dataclasses.replace(
         s, rl=dataclasses.replace(s.rl, mismatch_fraction=0.0)), params, batches, 3) == {}
 
