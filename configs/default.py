@@ -129,9 +129,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.overlong_buffer = 8         # penalty ramps over the last N tokens of the limit
     c.rl.overlong_penalty = 1.0
     c.rl.mismatch_fraction = 0.05    # share of a step's micro-batches the trainer re-scores to
-                                     # measure the sampler-trainer mismatch (mismatch/ metrics);
-                                     # all of them, at no cost, when old log-probs come from
-                                     # the trainer; 0 = no mismatch metrics
+                                     # measure the sampler-trainer mismatch (mismatch/ metrics;
+                                     # at least one of each micro-batch shape); all of them, at
+                                     # no cost, when old log-probs come from the trainer; 0 = no
+                                     # mismatch metrics
     c.rl.loss = ml_collections.ConfigDict(dict(
         clip_low=0.2,                # PPO clip: the ratio's lower bound is 1 - clip_low
         clip_high=0.28,              # ... and its upper 1 + clip_high (DAPO's clip-higher)
