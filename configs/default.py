@@ -128,10 +128,36 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.overlong = "none"           # none | mask | penalty (DAPO overlong handling)
     c.rl.overlong_buffer = 8         # penalty ramps over the last N tokens of the limit
     c.rl.overlong_penalty = 1.0
+    c.rl.mismatch_fraction = 0.05    # share of a step's micro-batches the trainer re-scores to
+                                     # measure the sampler-trainer mismatch (mismatch/ metrics;
+                                     # at least one of each micro-batch shape); all of them, at
+                                     # no cost, when old log-probs come from the trainer; 0 = no
+                                     # mismatch metrics
     c.rl.loss = ml_collections.ConfigDict(dict(
-        clip_low=0.2, clip_high=0.28, dual_clip=0.0, ratio_level="token",
-        aggregation="seq_mean_token_mean", kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,
-        tis_cap=0.0))                # 0.0 disables dual_clip / tis_cap
+        clip_low=0.2,                # PPO clip: the ratio's lower bound is 1 - clip_low
+        clip_high=0.28,              # ... and its upper 1 + clip_high (DAPO's clip-higher)
+        dual_clip=0.0,               # 0.0 = off; else > 1: caps -A·ratio at -c·A where A < 0
+        ratio_level="token",         # token | sequence (GSPO)
+        aggregation="seq_mean_token_mean",  # token_mean | seq_mean_token_mean |
+                                            # seq_mean_token_sum_norm
+        kl_coef=0.0,                 # KL to the frozen reference (0.0: no reference is kept)
+        kl_estimator="k3",           # k1 | k2 | k3
+        entropy_coef=0.0,            # entropy bonus
+        # Rollout correction (lrl/rl/correction.py): the ratio old / sampler of the trainer's
+        # and the sampler's log-probs; turning either on takes the old log-probs from a
+        # trainer forward (rl.old_logp "trainer").
+        tis_cap=0.0,                 # truncated IS: the policy term weighs min(ratio, cap);
+                                     # 0.0 = off
+        tis_level="token",           # token | sequence (product of the ratios) | geometric
+                                     # (their geometric mean): the ratio tis_cap caps
+        mask_level="none",           # none | token | sequence | geometric: drop a token, or a
+                                     # whole sequence, whose ratio at that level leaves
+                                     # [mask_low, mask_high] (masked IS; denominators kept)
+        mask_low=0.5,                # lower end of the band (<= 1)
+        mask_high=2.0,               # upper end of the band (>= 1)
+        staleness_decay=1.0,         # a sample's policy term weighs decay ** age (age: policy
+                                     # versions behind the trainer; 0 today); 1.0 = off
+        max_staleness=-1))           # samples older than this weigh 0; -1 = no bound
 
     # --- optimizer (GRPO phase) ---------------------------------------------------------------
     c.optim = ml_collections.ConfigDict(dict(

@@ -53,7 +53,12 @@ def loss_config(opts: options_lib.Options):
                       dual_clip=L.dual_clip or None, ratio_level=L.ratio_level,
                       aggregation=L.aggregation, max_len=opts.rl.max_new_tokens,
                       kl_coef=L.kl_coef, kl_estimator=L.kl_estimator,
-                      entropy_coef=L.entropy_coef, tis_cap=L.tis_cap or None)
+                      entropy_coef=L.entropy_coef, tis_cap=L.tis_cap or None,
+                      tis_level=L.tis_level,
+                      mask_level=None if L.mask_level == "none" else L.mask_level,
+                      mask_low=L.mask_low, mask_high=L.mask_high,
+                      staleness_decay=L.staleness_decay,
+                      max_staleness=None if L.max_staleness < 0 else L.max_staleness)
 
 
 def optimizer(o: options_lib.OptimOptions, total_steps: int, lr: float | None = None,

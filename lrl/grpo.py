@@ -11,7 +11,7 @@ frozen), so the order of calls is the data flow below and each stage can be read
 swapped alone:
 
     collect -> shape_overlong -> advantages -> process_share -> minibatches (pack, micro-
-            batches, placed) -> old_and_ref_logps -> updates
+            batches, placed) -> old_and_ref_logps -> mismatch_metrics -> loss_inputs -> updates
 
 A micro-batch is [rows_per_micro, row_len] for the whole run: a minibatch's token count
 changes only how many micro-batches it has (one `accumulate` call each), never a shape.
@@ -32,6 +32,7 @@ import numpy as np
 from lrl import compiles, distributed, rl, rollout
 from lrl import mesh as mesh_lib
 from lrl.data import packing
+from lrl.rl import mismatch
 from lrl.tasks import Prompt
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class Groups:
     truncated: np.ndarray     # [P*G] bool: hit max_new_tokens
     texts: tuple = ()         # [P*G] decoded completions (after `score`)
     rewards_PG: Optional[np.ndarray] = None
+    # [P*G] policy versions between the parameters that sampled each completion and those
+    # that train on it (the staleness weight reads it); None: all 0, a synchronous step
+    ages: Optional[np.ndarray] = None
 
     @property
     def P(self) -> int:
@@ -59,15 +63,25 @@ class Groups:
         pick = lambda xs: tuple(xs[i] for i in flat) if len(xs) else ()  # noqa: E731
         return Groups(tuple(self.prompts[p] for p in keep), pick(self.completions),
                       pick(self.logps), G, self.truncated[flat], pick(self.texts),
-                      None if self.rewards_PG is None else self.rewards_PG[keep])
+                      None if self.rewards_PG is None else self.rewards_PG[keep],
+                      None if self.ages is None else self.ages[flat])
 
     @staticmethod
     def concat(parts: list["Groups"]) -> "Groups":
         cat = lambda name: tuple(x for g in parts for x in getattr(g, name))  # noqa: E731
         rewards = [g.rewards_PG for g in parts]
+        ages = None if all(g.ages is None for g in parts) else np.concatenate(
+            [g.sample_ages() for g in parts])
         return Groups(cat("prompts"), cat("completions"), cat("logps"), parts[0].group_size,
                       np.concatenate([g.truncated for g in parts]), cat("texts"),
-                      None if any(r is None for r in rewards) else np.concatenate(rewards))
+                      None if any(r is None for r in rewards) else np.concatenate(rewards),
+                      ages)
+
+    def sample_ages(self) -> np.ndarray:
+        """[P*G] each sample's age in policy versions (0 when none was given)."""
+        if self.ages is None:
+            return np.zeros(len(self.completions), np.int32)
+        return np.asarray(self.ages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,13 +284,30 @@ def pack(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray,
                                                   np.float32) for i in samples]}
     if s.rl.old_logp == "sampler":
         token_values["old_logp"] = [groups.logps[i] for i in samples]
+    seq_values = {"advantages": adv_PG.reshape(-1)[samples]}
+    correction_values(s.rl, groups, samples, token_values, seq_values)
     rows, layout = packing.pack([p.ids for p in sample_prompts], comps, s.row_len,
-                                seq_values={"advantages": adv_PG.reshape(-1)[samples]},
+                                seq_values=seq_values,
                                 token_values=token_values, truncate=True, fit="best",
                                 max_segments=s.max_segments)
     rows["loss_mask"] = rows["loss_mask"] * rows.pop("completion_weight")
     rows, extra = s.task.update_inputs(rows, layout, sample_prompts)
     return rows, layout, extra
+
+
+def correction_values(rl_, groups: Groups, samples: np.ndarray, token_values: dict,
+                      seq_values: dict) -> None:
+    """Adds to `pack`'s values what the mismatch metrics and the rollout correction read:
+    the sampler's log-probs (`rollout_logp`), each token's 1-based position in its response
+    (`response_pos`, 0 off responses: the mismatch buckets) and each sample's age
+    (`sample_age`, for the staleness weight)."""
+    if rl_.carries_rollout_logp:
+        token_values["rollout_logp"] = [groups.logps[i] for i in samples]
+    if rl_.mismatch_fraction > 0:
+        token_values["response_pos"] = [np.arange(1, len(groups.completions[i]) + 1,
+                                                  dtype=np.float32) for i in samples]
+    if rl_.loss.weighs_staleness:
+        seq_values["sample_age"] = groups.sample_ages()[samples].astype(np.float32)
 
 
 def minibatches(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray):
@@ -308,6 +339,10 @@ def micro_batch_spec(s_rl, task, mesh, rows: int, T: int, kl: bool) -> dict:
     keys.update({k: ((rows, T), np.float32) for k in ("loss_mask", "advantages")})
     if s_rl.old_logp != "none":
         keys["old_logp"] = ((rows, T), np.float32)
+    if s_rl.loss.corrects_rollout:
+        keys["rollout_logp"] = ((rows, T), np.float32)
+    if s_rl.loss.weighs_staleness:
+        keys["sample_age"] = ((rows, T), np.float32)
     if kl:
         keys["ref_logp"] = ((rows, T), np.float32)
     keys.update(task.row_specs(rows, T))
@@ -348,6 +383,56 @@ def old_and_ref_logps(s: Setup, params, batches: list[Minibatch]) -> list[Miniba
     return out
 
 
+# The mismatch sums of one micro-batch on the devices (its scalars leave them once a step);
+# response_pos is 1-based, 0 off the responses.
+_mismatch_sums = jax.jit(lambda trainer_BT, sampler_BT, pos_BT: mismatch.mismatch_sums(
+    trainer_BT, sampler_BT, pos_BT > 0, pos_BT - 1))
+
+
+def mismatch_metrics(s: Setup, params, batches: list[Minibatch], step_index: int) -> dict:
+    """The sampler's log-probs against the trainer's for the same tokens, before any update
+    of this step (lrl.rl.mismatch): over every micro-batch when the old log-probs come from a
+    trainer forward, else over a `rl.mismatch_fraction` share of the step's micro-batches,
+    drawn by the seed and step (the same on every process), that a forward pass re-scores:
+    at least one of each micro-batch shape the step has, so that pass compiles a shape in
+    the step whose update first compiles it, never later. With temperature != 1, top-k or
+    top-p the sampler's log-probs are those of the distribution it drew from, so the numbers
+    include that difference too."""
+    if s.rl.mismatch_fraction == 0:
+        return {}
+    micro = [(b, mb) for b in batches for mb in b.micro]
+    if s.rl.old_logp != "trainer":
+        rng = np.random.default_rng([s.seed, step_index])
+        shapes = [mb["tokens"].shape for _, mb in micro]
+        pick = [int(rng.choice([i for i, x in enumerate(shapes) if x == shape]))
+                for shape in sorted(set(shapes))]
+        rest = [i for i in range(len(micro)) if i not in pick]
+        more = math.ceil(s.rl.mismatch_fraction * len(micro)) - len(pick)
+        if more > 0:
+            pick += [int(i) for i in rng.choice(rest, more, replace=False)]
+        micro = [micro[i] for i in sorted(pick)]
+    t0 = time.time()
+    # Where the sampler's log-probs serve as old log-probs, the rows carry them once.
+    sums = [_mismatch_sums(mb["old_logp"] if s.rl.old_logp == "trainer"
+                           else s.logprobs(params, mb, b.extra),
+                           mb["rollout_logp"] if "rollout_logp" in mb else mb["old_logp"],
+                           mb["response_pos"]) for b, mb in micro]
+    total = None
+    for part in jax.device_get(sums):
+        total = part if total is None else mismatch.combine_sums(total, part)
+    out = mismatch.finalize(total) if total is not None else {}
+    out.update({"mismatch/micro_batches": len(micro), "time/mismatch_s": time.time() - t0})
+    return out
+
+
+def loss_inputs(s: Setup, batches: list[Minibatch]) -> list[Minibatch]:
+    """The micro-batches without the arrays only the metrics read (the update's inputs stay
+    those it was compiled for)."""
+    drop = {"response_pos"} | ({"rollout_logp"} if not s.rl.loss.corrects_rollout else set())
+    return [dataclasses.replace(b, micro=[{k: v for k, v in mb.items() if k not in drop}
+                                          for mb in b.micro]) for b in batches]
+
+
 def updates(s: Setup, state, batches: list[Minibatch]):
     """epochs x minibatches optimizer steps; the metrics are the last one's."""
     from lrl.rl.update import run_update
@@ -374,6 +459,8 @@ def step(s: Setup, state, it, step_index: int):
     batches = old_and_ref_logps(s, state.params, batches)
     jax.block_until_ready([mb.get("old_logp") for b in batches for mb in b.micro])
     t_logp = time.time() - t0
+    m.update(mismatch_metrics(s, state.params, batches, step_index))
+    batches = loss_inputs(s, batches)
     t0 = time.time()
     state, um = updates(s, state, batches)
     m.update(um)

@@ -195,7 +195,7 @@ def build_grpo(r: Run, state, tx, pool) -> grpo.Setup:
                                 available=available())
     r.writer.note(f"update micro-batch: {budget.describe()}")
     logp_fn = None
-    if rl_.old_logp == "trainer" or kl:
+    if rl_.old_logp == "trainer" or kl or rl_.mismatch_fraction > 0:
         logp_fn = update_lib.make_logprobs_fn(task.model_cfg, mesh, **kw)
     prefill = None
     if opts.model.attention != "dense" and mesh.shape["seq"] > 1:

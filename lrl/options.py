@@ -202,6 +202,21 @@ class LossOptions:
     kl_estimator: str = _opt(choices=("k1", "k2", "k3"))
     entropy_coef: float = _opt()
     tis_cap: float = _opt(ge=0)          # 0 = off
+    tis_level: str = _opt(choices=("token", "sequence", "geometric"))
+    mask_level: str = _opt(choices=("none", "token", "sequence", "geometric"))
+    mask_low: float = _opt(gt=0, le=1)
+    mask_high: float = _opt(ge=1)
+    staleness_decay: float = _opt(gt=0, le=1)
+    max_staleness: int = _opt(ge=-1)     # -1 = no bound
+
+    @property
+    def corrects_rollout(self) -> bool:
+        """A term of the loss compares the trainer's old log-probs with the sampler's."""
+        return self.tis_cap > 0 or self.mask_level != "none"
+
+    @property
+    def weighs_staleness(self) -> bool:
+        return self.staleness_decay != 1.0 or self.max_staleness >= 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +242,7 @@ class RLOptions:
     overlong: str = _opt(choices=OVERLONG)
     overlong_buffer: int = _opt(ge=0)
     overlong_penalty: float = _opt(ge=0)
+    mismatch_fraction: float = _opt(ge=0, le=1)   # 0 = no mismatch metrics
     loss: LossOptions = None
 
     @property
@@ -239,11 +255,22 @@ class RLOptions:
     def old_logp(self) -> str:
         """Where a step's old log-probs come from: "sampler" (the rollout's, for plain
         sampling unless `recompute_old_logp`), "trainer" (a forward pass before the updates,
-        needed when the policy moves within a step: epochs x minibatches > 1), or "none"
-        (one update on-policy data: old = current, without gradient)."""
+        needed when the policy moves within a step: epochs x minibatches > 1, and by a rollout
+        correction, which weighs the trainer's old log-probs against the sampler's: verl's
+        decoupled mode), or "none" (one update on-policy data: old = current, without
+        gradient)."""
+        if self.loss.corrects_rollout:
+            return "trainer"
         if self.plain_sampling and not self.recompute_old_logp:
             return "sampler"
         return "trainer" if self.epochs * self.minibatches > 1 else "none"
+
+    @property
+    def carries_rollout_logp(self) -> bool:
+        """The update rows carry the sampler's log-probs (`rollout_logp`): for a rollout
+        correction, or for the mismatch metrics unless they are the old log-probs already."""
+        return self.loss.corrects_rollout or (self.mismatch_fraction > 0
+                                              and self.old_logp != "sampler")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,6 +444,9 @@ def _check_across(o: Options) -> None:
     if o.rl.loss.dual_clip and o.rl.loss.dual_clip <= 1.0:
         raise ValueError(f"rl.loss.dual_clip={o.rl.loss.dual_clip}: must be 0 (off) or > 1 "
                          "(verl uses 3)")
+    if o.rl.loss.tis_level != "token" and not o.rl.loss.tis_cap:
+        raise ValueError(f"rl.loss.tis_level={o.rl.loss.tis_level!r} weighs by a capped ratio: "
+                         "set rl.loss.tis_cap > 0 (verl uses 2)")
     if o.rl.loss.aggregation == "seq_mean_token_sum_norm" and o.rl.max_new_tokens < 1:
         raise ValueError("rl.loss.aggregation='seq_mean_token_sum_norm' needs "
                          "rl.max_new_tokens >= 1")

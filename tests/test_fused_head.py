@@ -15,7 +15,7 @@ B, T, D, V, CHUNK = 2, 37, 8, 50, 16   # 37 = 3 chunks of 13: the last one padde
 
 
 def _batch(seed=0):
-    ks = jax.random.split(jax.random.key(seed), 8)
+    ks = jax.random.split(jax.random.key(seed), 9)
     h = jax.random.normal(ks[0], (B, T, D), jnp.float32)
     w = jax.random.normal(ks[1], (D, V), jnp.float32) * 0.7
     tgt = jax.random.randint(ks[2], (B, T), 0, V)
@@ -28,7 +28,10 @@ def _batch(seed=0):
     old = logp0 + jax.random.normal(ks[6], (B, T)) * 0.3
     ref = logp0 + jax.random.normal(ks[7], (B, T)) * 0.2
     return dict(h=h, w=w, tgt=tgt, seg=seg, mask=mask, adv=adv, old=old, ref=ref,
-                rollout=old + base * 0.05)
+                rollout=old + base * 0.05,
+                # a sampler within ±0.15 of old, for the masks; ages 0 and 2 by segment
+                noisy=old + jax.random.normal(ks[8], (B, T)) * 0.15,
+                age=jnp.where(seg == 2, 2.0, 0.0))
 
 
 CASES = {
@@ -39,7 +42,22 @@ CASES = {
     "kl_k1_entropy": dict(kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01),
     "kl_k2": dict(kl_coef=0.05, kl_estimator="k2"),
     "kl_k3_tis": dict(kl_coef=0.05, tis_cap=2.0),
+    "token_mask_stale": dict(kl_coef=0.05, entropy_coef=0.01, mask_level="token",
+                             mask_low=0.9, mask_high=1.1, staleness_decay=0.5),
+    "seq_tis_geo_mask": dict(kl_coef=0.05, tis_cap=1.5, tis_level="sequence",
+                             mask_level="geometric", mask_low=0.95, mask_high=1.05,
+                             max_staleness=1),
+    "geo_tis_seq_mask": dict(aggregation="seq_mean_token_mean", tis_cap=1.05,
+                             tis_level="geometric", mask_level="sequence", mask_low=0.5,
+                             mask_high=1.5),
 }
+
+
+def _rollout_and_age(cfg, b):
+    rollout = None
+    if cfg.corrects_rollout:
+        rollout = b["noisy"] if cfg.mask_level is not None else b["rollout"]
+    return rollout, (b["age"] if cfg.weighs_staleness else None)
 
 
 @pytest.mark.parametrize("on_policy", [False, True])
@@ -50,7 +68,9 @@ def test_fused_loss_equals_unfused_values_and_gradients(name, on_policy):
     denoms = losses.loss_denominators(b["mask"], b["seg"], cfg.max_len)
     old = None if on_policy else b["old"]
     ref = b["ref"] if cfg.kl_coef else None
-    rollout = b["rollout"] if cfg.tis_cap else None
+    rollout, age = _rollout_and_age(cfg, b)
+    if on_policy and cfg.corrects_sequences:   # needs old log-probs: see the test below
+        pytest.skip("a sequence-level correction needs old log-probs in the fused pass")
 
     def unfused(h, w):
         logp, ent = token_logprobs_and_entropy(h, w, b["tgt"], chunk=CHUNK)
@@ -58,12 +78,13 @@ def test_fused_loss_equals_unfused_values_and_gradients(name, on_policy):
             ent = jax.lax.stop_gradient(ent)
         old_ = jax.lax.stop_gradient(logp) if old is None else old
         return losses.packed_policy_loss(logp, old_, b["adv"], b["mask"], b["seg"], denoms, cfg,
-                                         ref_logp_BT=ref, rollout_logp_BT=rollout,
+                                         ref_logp_BT=ref, rollout_logp_BT=rollout, age_BT=age,
                                          entropy_BT=ent)
 
     def fused(h, w):
         aux = losses.token_loss_aux(b["mask"], b["seg"], denoms, cfg, adv_BT=b["adv"],
-                                    old_logp_BT=old, ref_logp_BT=ref, rollout_logp_BT=rollout)
+                                    old_logp_BT=old, ref_logp_BT=ref, rollout_logp_BT=rollout,
+                                    age_BT=age)
         loss, logp, ent = fused_token_loss(h, w, b["tgt"],
                                            functools.partial(losses.token_loss, cfg=cfg), aux,
                                            chunk=CHUNK)
@@ -72,6 +93,10 @@ def test_fused_loss_equals_unfused_values_and_gradients(name, on_policy):
     (l_u, m_u), g_u = jax.value_and_grad(unfused, argnums=(0, 1), has_aux=True)(b["h"], b["w"])
     (l_f, (logp, ent)), g_f = jax.jit(jax.value_and_grad(fused, argnums=(0, 1),
                                                          has_aux=True))(b["h"], b["w"])
+    if cfg.mask_level is not None:   # the masks drop some tokens, not all
+        assert 0 < float(m_u["masked_token_frac"]) < 1, m_u["masked_token_frac"]
+    if cfg.weighs_staleness:
+        assert 0 < float(m_u["staleness_weight_mean"]) < 1
     np.testing.assert_allclose(l_f, l_u, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(l_f, m_u["loss"], rtol=1e-5, atol=1e-7)
     ref_logp, ref_ent = token_logprobs_and_entropy(b["h"], b["w"], b["tgt"], chunk=CHUNK)
@@ -98,3 +123,12 @@ def test_fused_loss_scales_with_the_cotangent_and_names_bad_shapes():
     with pytest.raises(ValueError, match="ratio_level='token'"):
         losses.token_loss_aux(b["mask"], b["seg"], denoms,
                               losses.LossConfig(ratio_level="sequence"), adv_BT=b["adv"])
+
+
+def test_a_sequence_level_correction_needs_old_log_probs_in_the_fused_pass():
+    b = _batch(2)
+    cfg = losses.LossConfig(tis_cap=2.0, tis_level="geometric")
+    denoms = losses.loss_denominators(b["mask"], b["seg"])
+    with pytest.raises(ValueError, match="needs old_logp_BT"):
+        losses.token_loss_aux(b["mask"], b["seg"], denoms, cfg, adv_BT=b["adv"],
+                              rollout_logp_BT=b["rollout"])

@@ -17,9 +17,10 @@ from lrl.tasks import Prompt
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _rl(**kw):
+def _rl(loss=None, **kw):
     c = config_util.load(os.path.join(ROOT, "configs", "default.py"), "runlocal")
     c.rl.update(**kw)
+    c.rl.loss.update(**(loss or {}))
     return options.from_config(c).rl
 
 
@@ -57,6 +58,17 @@ def test_old_log_probs_come_from_one_rule():
     assert _rl(temperature=0.7, minibatches=1).old_logp == "none"
     assert _rl(temperature=0.7, minibatches=2).old_logp == "trainer"
     assert _rl(recompute_old_logp=True, epochs=2, minibatches=1).old_logp == "trainer"
+    # A rollout correction weighs the trainer's old log-probs against the sampler's.
+    assert _rl(loss=dict(tis_cap=2.0)).old_logp == "trainer"
+    assert _rl(loss=dict(mask_level="geometric"), temperature=0.7,
+               minibatches=1).old_logp == "trainer"
+    assert _rl(loss=dict(staleness_decay=0.5)).old_logp == "sampler"
+    with pytest.raises(ValueError, match="rl.loss.tis_level='sequence'.*rl.loss.tis_cap"):
+        _rl(loss=dict(tis_level="sequence"))
+    with pytest.raises(ValueError, match=r"rl.loss.mask_low=1.5: must be <= 1"):
+        _rl(loss=dict(mask_low=1.5))
+    with pytest.raises(ValueError, match=r"rl.mismatch_fraction=2.0: must be <= 1"):
+        _rl(mismatch_fraction=2)
 
 
 def test_text_prompts_above_sp_min_tokens_prefill_over_seq(monkeypatch):
@@ -111,3 +123,115 @@ def test_long_context_ring_runlocal_runs_through_the_one_loop(tmp_path, monkeypa
     assert np.isfinite(m["loss"]) and m["grad_norm"] > 0 and "eval/pass@2" in m
     # Sampler log-probs (ring-prefilled, engine-decoded) are the ring-sharded trainer's.
     assert abs(m["ratio_max"] - 1) < 1e-4 and abs(m["ratio_min"] - 1) < 1e-4
+
+
+class _TextRows:
+    """The text task's part of `pack`: rows as packed, no forward extra."""
+    def update_inputs(self, rows, layout, sample_prompts):
+        return rows, None
+
+
+TINY = models.ModelConfig(model_type="qwen2", vocab_size=64, d_model=32, n_layers=2,
+                          n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64, remat="none")
+
+
+def _mismatch_setup(rows_per_shard=1, **rl_kw):
+    from lrl.rl import update as upd
+    rl = _rl(max_new_tokens=8, **rl_kw)
+    ro = options.RolloutOptions(page_size=4, max_slots=8, pool_tokens=0, pool_fraction=0.4,
+                                prefill_tokens=256, sp_min_tokens=0)
+    return grpo.Setup(rl=rl, rollout=ro, seed=5, task=_TextRows(), tokenizer=None,
+                      model_cfg=TINY, mesh=None, eos_ids=(), pool=None, update=None,
+                      logprobs=upd.make_logprobs_fn(TINY, chunk=16), shards=1, row_len=32,
+                      rows_per_shard=rows_per_shard, max_segments=8)
+
+
+def test_mismatch_metrics_of_a_step_read_the_sampler_log_probs_packed_with_the_tokens():
+    s = _mismatch_setup(rows_per_shard=2, mismatch_fraction=0.25)
+    params = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x,
+                          models.init_params(TINY, jax.random.key(1)))
+    rng = np.random.RandomState(0)
+    prompts = [Prompt(rng.randint(1, 64, n).astype(np.int32), "", {}, "") for n in (4, 7, 5, 6)]
+    groups = grpo.rollout_groups(s, params, prompts, group_size=2, seed=0)
+    adv, weight = np.ones((4, 2), np.float32), np.ones(8, np.float32)
+    batches, _ = grpo.minibatches(s, groups, adv, weight)
+    n_micro = sum(len(b.micro) for b in batches)
+    shapes = {mb["tokens"].shape for b in batches for mb in b.micro}
+    assert n_micro >= 4 and shapes == {(2, 32), (1, 32)}
+    # Plain sampling: the sampler's log-probs are the old ones, carried once.
+    assert s.rl.old_logp == "sampler" and "rollout_logp" not in batches[0].micro[0]
+    assert {"old_logp", "response_pos"} <= set(batches[0].micro[0])
+    # The engine's fp32 log-probs are the trainer's: no mismatch, on a quarter of the
+    # micro-batches (rounded up), at least one of each shape.
+    seen = []
+    monkey = dataclasses.replace(s, logprobs=lambda p, mb, e: seen.append(mb["tokens"].shape)
+                                 or s.logprobs(p, mb, e))
+    m = grpo.mismatch_metrics(monkey, params, batches, step_index=3)
+    assert m["mismatch/micro_batches"] == max(2, -(-n_micro // 4)) == len(seen)
+    assert set(seen) == shapes
+    assert 0 < m["mismatch/tokens"] < 8 * 8 and m["mismatch/abs_max"] < 1e-4
+    # Sampler log-probs 0.5 below the trainer's: |Δ| = 0.5, k1 = -0.5, k3 = e^.5 - 1.5, no
+    # ratio outside [0.5, 2]; 1.0 below: every ratio e > 2 is outside. All micro-batches.
+    s = dataclasses.replace(s, rl=dataclasses.replace(s.rl, mismatch_fraction=1.0))
+    for shift, outside in ((0.5, 0.0), (1.0, 1.0)):
+        low = dataclasses.replace(groups, logps=tuple(lp - shift for lp in groups.logps))
+        m = grpo.mismatch_metrics(s, params, grpo.minibatches(s, low, adv, weight)[0], 3)
+        assert m["mismatch/micro_batches"] == n_micro and m["mismatch/tokens"] == 8 * 8
+        np.testing.assert_allclose([m["mismatch/abs_mean"], m["mismatch/k1"],
+                                    m["mismatch/k3"], m["mismatch/outside_frac"]],
+                                   [shift, -shift, np.expm1(shift) - shift, outside],
+                                   rtol=1e-4)
+        assert m["mismatch/pos_0_256/tokens"] == 64 and "mismatch/pos_256_1k/abs_mean" not in m
+    # The update's inputs lose the metrics' arrays (rollout_logp stays when the loss reads it).
+    assert "response_pos" not in grpo.loss_inputs(s, batches)[0].micro[0]
+    trainer = dataclasses.replace(s, rl=_rl(max_new_tokens=8, recompute_old_logp=True,
+                                            minibatches=2, mismatch_fraction=1.0))
+    rows = grpo.minibatches(trainer, groups, adv, weight)[0]
+    assert trainer.rl.old_logp == "trainer" and "rollout_logp" in rows[0].micro[0]
+    assert not {"rollout_logp", "response_pos"} & set(grpo.loss_inputs(trainer, rows)[0].micro[0])
+    assert grpo.mismatch_metrics(dataclasses.replace(
+        s, rl=dataclasses.replace(s.rl, mismatch_fraction=0.0)), params, batches, 3) == {}
+
+
+def test_old_log_probs_from_the_trainer_give_the_mismatch_of_every_micro_batch():
+    s = _mismatch_setup(mismatch_fraction=0.01, loss=dict(tis_cap=2.0, staleness_decay=0.5))
+    assert s.rl.old_logp == "trainer"
+    spec = grpo.micro_batch_spec(s.rl, TextTaskSpec(), None, 2, 32, False)
+    assert {"old_logp", "rollout_logp", "sample_age"} <= set(spec)
+    params = models.init_params(TINY, jax.random.key(2))
+    rng = np.random.RandomState(1)
+    prompts = [Prompt(rng.randint(1, 64, n).astype(np.int32), "", {}, "") for n in (4, 9)]
+    groups = grpo.rollout_groups(s, params, prompts, group_size=3, seed=0)
+    groups = dataclasses.replace(groups, ages=np.array([0, 1, 2, 0, 1, 2]))
+    batches, _ = grpo.minibatches(s, groups, np.ones((2, 3), np.float32),
+                                  np.ones(6, np.float32))
+    ages = np.concatenate([np.asarray(mb["sample_age"])[np.asarray(mb["loss_mask"]) > 0]
+                           for b in batches for mb in b.micro])
+    assert sorted(set(ages.tolist())) == [0.0, 1.0, 2.0]
+    batches = grpo.old_and_ref_logps(s, params, batches)
+    m = grpo.mismatch_metrics(s, params, batches, 0)
+    assert m["mismatch/micro_batches"] == sum(len(b.micro) for b in batches)
+    assert m["mismatch/tokens"] == 6 * 8 and m["mismatch/abs_max"] < 1e-4
+    kept = grpo.loss_inputs(s, batches)[0].micro[0]
+    assert "rollout_logp" in kept and "response_pos" not in kept
+
+
+class TextTaskSpec:
+    def row_specs(self, rows, T):
+        return {}
+
+
+def test_default_runlocal_with_rollout_corrections_and_mismatch_metrics(tmp_path):
+    """The loop with every correction on: rollout log-probs and ages reach the compiled
+    update, the trainer's old log-probs measure the mismatch of every micro-batch."""
+    from tests.test_loop import tiny_config
+    c = tiny_config(mismatch_fraction=0.5)
+    c.reward.spec = "test_distinct_chars:1.0"
+    c.rl.loss.update(tis_cap=2.0, tis_level="geometric", mask_level="token", mask_low=0.5,
+                     mask_high=2.0, staleness_decay=0.9, max_staleness=4)
+    m = loop.run(c, str(tmp_path))["grpo"]
+    assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
+    # fp32 sampler and trainer: the correction leaves every token as it is.
+    assert m["mismatch/micro_batches"] >= 1 and m["mismatch/abs_max"] < 1e-3
+    assert m["masked_token_frac"] == 0.0 and m["masked_seq_frac"] == 0.0
+    assert abs(m["tis_weight_mean"] - 1.0) < 1e-3 and m["staleness_weight_mean"] == 1.0

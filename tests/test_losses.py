@@ -7,6 +7,7 @@ import pytest
 
 from lrl.rl import (LossConfig, combine_metrics, loss_denominators, packed_policy_loss,
                     policy_loss)
+from lrl.rl.correction import staleness_weight
 
 L = np.log
 
@@ -137,6 +138,69 @@ def test_truncated_importance_sampling():
                                [[-1.0, -0.25]], rtol=1e-6)
 
 
+@pytest.mark.parametrize("level,expected_w", [
+    ("token", [[1.5, 1.2], [2.0, 2.0]]),                 # min(e^Δ_t, 2)
+    ("sequence", [[1.8, 1.8], [2.0, 2.0]]),              # min(1.5·1.2, 2), min(3·2, 2)
+    ("geometric", [[1.8 ** 0.5] * 2, [2.0, 2.0]]),       # min(√1.8, 2), min(√6 = 2.449, 2)
+])
+def test_truncated_importance_sampling_at_every_level(level, expected_w):
+    # old - rollout = log of the token ratios 1.5, 1.2 (row 0) and 3, 2 (row 1); the policy
+    # ratio is 1 and A = 1, so each token's term is -w and its gradient -w / 4.
+    old = np.zeros((2, 2))
+    rollout = -L(np.array([[1.5, 1.2], [3.0, 2.0]]))
+    f = lambda lp: policy_loss(lp, old, np.ones(2), np.ones((2, 2)),  # noqa: E731
+                               rollout_logp_BT=rollout, tis_cap=2.0, tis_level=level)
+    w = np.array(expected_w)
+    loss, m = f(jnp.zeros((2, 2)))
+    np.testing.assert_allclose(loss, -w.sum() / 4, rtol=1e-6)
+    np.testing.assert_allclose(m["tis_weight_mean"], w.mean(), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda lp: f(lp)[0])(jnp.zeros((2, 2))), -w / 4,
+                               rtol=1e-6)
+    assert float(m["masked_token_frac"]) == 0.0 and float(m["staleness_weight_mean"]) == 1.0
+
+
+@pytest.mark.parametrize("level,low,high,keep,seq_frac", [
+    # token ratios 1.5, 0.4 (row 0) and 3, 1.1 (row 1); sequence products 0.6 and 3.3;
+    # geometric means √0.6 = 0.775 and √3.3 = 1.817.
+    ("token", 0.5, 2.0, [[1, 0], [0, 1]], 1.0),          # 0.4 and 3 leave [0.5, 2]
+    ("sequence", 0.5, 2.0, [[1, 1], [0, 0]], 0.5),       # 3.3 leaves it: all of row 1
+    ("geometric", 0.5, 2.0, [[1, 1], [1, 1]], 0.0),      # both means inside
+    ("geometric", 0.8, 2.0, [[0, 0], [1, 1]], 0.5),      # 0.775 < 0.8: all of row 0
+])
+def test_masked_importance_sampling(level, low, high, keep, seq_frac):
+    # A = 1, -0.5 and ratio 1: token terms -1, -1, 0.5, 0.5; a masked token leaves the loss
+    # (its entropy too) but not the denominator of 4 tokens.
+    old = np.zeros((2, 2))
+    rollout = -L(np.array([[1.5, 0.4], [3.0, 1.1]]))
+    ent = np.array([[1.0, 2.0], [3.0, 4.0]])
+    loss, m = policy_loss(np.zeros((2, 2)), old, np.array([1.0, -0.5]), np.ones((2, 2)),
+                          rollout_logp_BT=rollout, mask_level=level, mask_low=low,
+                          mask_high=high, entropy_BT=ent, entropy_coef=0.1)
+    keep = np.array(keep, np.float64)
+    pg = np.array([[-1.0, -1.0], [0.5, 0.5]])
+    np.testing.assert_allclose(m["pg_loss"], (keep * pg).sum() / 4, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(m["entropy"], (keep * ent).sum() / 4, rtol=1e-6)
+    np.testing.assert_allclose(loss, (keep * (pg - 0.1 * ent)).sum() / 4, rtol=1e-6)
+    np.testing.assert_allclose(m["masked_token_frac"], 1 - keep.mean(), rtol=1e-6)
+    np.testing.assert_allclose(m["masked_seq_frac"], seq_frac, rtol=1e-6)
+    assert float(m["tis_weight_mean"]) == 1.0     # no tis_cap: IS weights are 1
+
+
+def test_staleness_weight():
+    np.testing.assert_allclose(staleness_weight(np.array([0, 1, 2, 3]), decay=0.5, max_age=2),
+                               [1.0, 0.5, 0.25, 0.0])
+    np.testing.assert_allclose(staleness_weight(np.array([0, 5])), [1.0, 1.0])
+    # Rows of ages 0 and 2, A = 1 and ratio 1: token terms -1 weighted 1, 1, 0.25, 0.25.
+    kw = dict(age_B=np.array([0, 2]), staleness_decay=0.5)
+    loss, m = policy_loss(np.zeros((2, 2)), np.zeros((2, 2)), np.ones(2), np.ones((2, 2)), **kw)
+    np.testing.assert_allclose(loss, -(2 * 1.0 + 2 * 0.25) / 4, rtol=1e-6)
+    np.testing.assert_allclose(m["staleness_weight_mean"], 0.625, rtol=1e-6)
+    loss, m = policy_loss(np.zeros((2, 2)), np.zeros((2, 2)), np.ones(2), np.ones((2, 2)),
+                          max_staleness=1, **kw)                 # age 2 > 1: weight 0
+    np.testing.assert_allclose(loss, -2.0 / 4, rtol=1e-6)
+    np.testing.assert_allclose(m["staleness_weight_mean"], 0.5, rtol=1e-6)
+
+
 def test_no_tokens_gives_zero_not_nan():
     loss, m = policy_loss(np.zeros((2, 3)), np.zeros((2, 3)), np.ones(2), np.zeros((2, 3)),
                           aggregation="seq_mean_token_mean")
@@ -153,63 +217,96 @@ def _packed_case(seed=0):
     old_S = [lp + rng.normal(0.0, 0.2, len(lp)) for lp in logp_S]
     ref_S = [lp + rng.normal(0.0, 0.3, len(lp)) for lp in logp_S]
     ent_S = [rng.uniform(0.5, 2.0, n) for n in lens]
+    roll_S = [o + rng.normal(0.0, 0.3, len(o)) for o in old_S]  # the sampler's
     mask_S = [np.r_[0, np.ones(n - 1)] for n in lens]          # first token is the prompt
     adv_S = rng.normal(size=len(lens))
-    packed = {k: np.zeros((len(rows), t)) for k in ("lp", "old", "ref", "ent", "mask", "adv")}
+    age_S = np.array([0, 1, 2, 0, 1])
+    packed = {k: np.zeros((len(rows), t)) for k in ("lp", "old", "ref", "ent", "mask", "adv",
+                                                    "roll", "age")}
     packed["seg"] = np.zeros((len(rows), t), np.int32)
     for r, ids in enumerate(rows):
         pos = 0
         for j, s in enumerate(ids):
             sl = slice(pos, pos + lens[s])
             for k, src in (("lp", logp_S), ("old", old_S), ("ref", ref_S), ("ent", ent_S),
-                           ("mask", mask_S)):
+                           ("mask", mask_S), ("roll", roll_S)):
                 packed[k][r, sl] = src[s]
             packed["adv"][r, sl] = adv_S[s]
+            packed["age"][r, sl] = age_S[s]
             packed["seg"][r, sl] = j + 1
             pos += lens[s]
-    plain = {k: np.zeros((len(lens), t)) for k in ("lp", "old", "ref", "ent", "mask")}
+    plain = {k: np.zeros((len(lens), t)) for k in ("lp", "old", "ref", "ent", "mask", "roll")}
     for s, n in enumerate(lens):
         for k, src in (("lp", logp_S), ("old", old_S), ("ref", ref_S), ("ent", ent_S),
-                       ("mask", mask_S)):
+                       ("mask", mask_S), ("roll", roll_S)):
             plain[k][s, :n] = src[s]
-    plain["adv"] = adv_S
+    plain["adv"], plain["age"] = adv_S, age_S
     return packed, plain
 
 
 OPTS = [dict(aggregation=a, ratio_level=r) for a in ("token_mean", "seq_mean_token_mean",
                                                      "seq_mean_token_sum_norm")
         for r in ("token", "sequence")]
+# Rollout corrections at every level (the sampler's log-probs lie within ±0.3 of old's).
+CORRECTIONS = {
+    "none": {},
+    "seq_tis_token_mask": dict(tis_cap=1.5, tis_level="sequence", mask_level="token",
+                               mask_low=0.8, mask_high=1.25),
+    "geo_tis_seq_mask_stale": dict(tis_cap=1.1, tis_level="geometric", mask_level="sequence",
+                                   mask_low=0.5, mask_high=1.5, staleness_decay=0.5,
+                                   max_staleness=1),
+    "geo_mask": dict(mask_level="geometric", mask_low=0.85, mask_high=1.3),
+}
 
 
+def _corr_inputs(arrays, corr, per_row_age=False):
+    """The rollout log-probs (and ages) a correction reads, as keyword arguments."""
+    kw = {}
+    if "tis_cap" in corr or "mask_level" in corr:
+        kw["rollout_logp_BT"] = arrays["roll"]
+    if "staleness_decay" in corr:
+        kw["age_B" if per_row_age else "age_BT"] = arrays["age"]
+    return kw
+
+
+@pytest.mark.parametrize("corr", sorted(CORRECTIONS))
 @pytest.mark.parametrize("opts", OPTS, ids=lambda o: f"{o['aggregation']}-{o['ratio_level']}")
-def test_packed_equals_one_sequence_per_row(opts):
+def test_packed_equals_one_sequence_per_row(opts, corr):
     packed, plain = _packed_case()
-    kw = dict(clip_low=0.1, clip_high=0.15, kl_coef=0.05, entropy_coef=0.01, max_len=6, **opts)
+    kw = dict(clip_low=0.1, clip_high=0.15, kl_coef=0.05, entropy_coef=0.01, max_len=6, **opts,
+              **CORRECTIONS[corr])
     ref, ref_m = policy_loss(plain["lp"], plain["old"], plain["adv"], plain["mask"],
-                             ref_logp_BT=plain["ref"], entropy_BT=plain["ent"], **kw)
+                             ref_logp_BT=plain["ref"], entropy_BT=plain["ent"], **kw,
+                             **_corr_inputs(plain, CORRECTIONS[corr], per_row_age=True))
     cfg = LossConfig(**{k: v for k, v in kw.items()})
     den = loss_denominators(packed["mask"], packed["seg"], cfg.max_len)
-    got, m = packed_policy_loss(*(jnp.asarray(packed[k]) for k in ("lp", "old", "adv", "mask")),
-                                jnp.asarray(packed["seg"]), den, cfg,
-                                ref_logp_BT=jnp.asarray(packed["ref"]),
-                                entropy_BT=jnp.asarray(packed["ent"]))
+    arr = {k: jnp.asarray(v) for k, v in packed.items()}
+    got, m = packed_policy_loss(*(arr[k] for k in ("lp", "old", "adv", "mask")), arr["seg"],
+                                den, cfg, ref_logp_BT=arr["ref"], entropy_BT=arr["ent"],
+                                **_corr_inputs(arr, CORRECTIONS[corr]))
     np.testing.assert_allclose(got, ref, rtol=1e-5)
     for k in ref_m:
         np.testing.assert_allclose(m[k], ref_m[k], rtol=1e-5, err_msg=k)
+    if cfg.mask_level is not None:   # the case masks some sequences' tokens, not all
+        assert 0 < float(m["masked_token_frac"]) < 1 and 0 < float(m["masked_seq_frac"]) < 1
+    if cfg.tis_cap is not None:
+        assert float(m["tis_weight_mean"]) != 1.0
 
 
+@pytest.mark.parametrize("corr", sorted(CORRECTIONS))
 @pytest.mark.parametrize("opts", OPTS, ids=lambda o: f"{o['aggregation']}-{o['ratio_level']}")
-def test_micro_batches_sum_to_the_whole(opts):
+def test_micro_batches_sum_to_the_whole(opts, corr):
     packed, _ = _packed_case(1)
     cfg = LossConfig(clip_low=0.1, clip_high=0.15, kl_coef=0.05, entropy_coef=0.01,
-                     max_len=6, dual_clip=2.0, **opts)
+                     max_len=6, dual_clip=2.0, **opts, **CORRECTIONS[corr])
     arr = {k: jnp.asarray(v) for k, v in packed.items()}
     den = loss_denominators(arr["mask"], arr["seg"], cfg.max_len)
 
     def f(lp, rows):
+        extra = {k: v[rows] for k, v in _corr_inputs(arr, CORRECTIONS[corr]).items()}
         return packed_policy_loss(lp, arr["old"][rows], arr["adv"][rows], arr["mask"][rows],
                                   arr["seg"][rows], den, cfg, ref_logp_BT=arr["ref"][rows],
-                                  entropy_BT=arr["ent"][rows])
+                                  entropy_BT=arr["ent"][rows], **extra)
 
     (whole, wm), g_whole = jax.value_and_grad(f, has_aux=True)(arr["lp"], slice(None))
     parts = [jax.value_and_grad(f, has_aux=True)(arr["lp"][r:r + 1], slice(r, r + 1))
@@ -241,3 +338,15 @@ def test_bad_options_name_the_culprit():
         policy_loss(z, z, np.zeros(1), z, kl_coef=0.1)
     with pytest.raises(ValueError, match="rollout_logp_BT"):
         policy_loss(z, z, np.zeros(1), z, tis_cap=2.0)
+    with pytest.raises(ValueError, match="rollout_logp_BT"):
+        policy_loss(z, z, np.zeros(1), z, mask_level="geometric")
+    with pytest.raises(ValueError, match="age_BT"):
+        policy_loss(z, z, np.zeros(1), z, staleness_decay=0.5)
+    with pytest.raises(ValueError, match="tis_level 'seq'"):
+        policy_loss(z, z, np.zeros(1), z, tis_level="seq")
+    with pytest.raises(ValueError, match="mask_level 'product'"):
+        policy_loss(z, z, np.zeros(1), z, mask_level="product")
+    with pytest.raises(ValueError, match="mask_low <= 1 <= mask_high"):
+        policy_loss(z, z, np.zeros(1), z, mask_level="token", mask_low=1.2)
+    with pytest.raises(ValueError, match="staleness_decay"):
+        policy_loss(z, z, np.zeros(1), z, staleness_decay=1.5)

@@ -16,16 +16,19 @@ CFG = models.tiny_config(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_
                          head_dim=8, mlp_dim=64)
 
 
-def _batch(seed=0, rows=4, row_len=16, with_old=True):
+def _batch(seed=0, rows=4, row_len=16, with_old=True, with_age=False):
     """Random prompts and completions packed into rows, with per-sequence advantages and
-    old / reference / rollout log-probs near the model's own."""
+    old / reference / rollout log-probs near the model's own (and sample ages 0-2)."""
     rng = np.random.default_rng(seed)
     n = 7
     prompts = [rng.integers(1, CFG.vocab_size, rng.integers(2, 5)) for _ in range(n)]
     comps = [rng.integers(1, CFG.vocab_size, rng.integers(2, 6)) for _ in range(n)]
     tok = {k: [rng.normal(-3.4, 0.2, len(c)) for c in comps]
            for k in (("old_logp",) if with_old else ()) + ("ref_logp", "rollout_logp")}
-    batch, _ = pack(prompts, comps, row_len, seq_values={"advantages": rng.normal(size=n)},
+    seq = {"advantages": rng.normal(size=n)}
+    if with_age:
+        seq["sample_age"] = np.arange(n) % 3
+    batch, _ = pack(prompts, comps, row_len, seq_values=seq,
                     token_values=tok, min_rows=rows, rows_multiple=rows)
     assert batch["tokens"].shape == (rows, row_len)
     return {k: jnp.asarray(v) for k, v in batch.items()}
@@ -81,6 +84,28 @@ def test_micro_batches_equal_one_batch():
         np.testing.assert_allclose(m1[k], m4[k], rtol=1e-5, atol=1e-7, err_msg=k)
     assert float(m1["tokens"]) == float(batch["loss_mask"].sum())
     assert int(one.step) == 1 and float(m1["kl"]) > 0 and float(m1["entropy"]) > 0
+
+
+@pytest.mark.parametrize("fused_head", [False, True])
+def test_micro_batches_equal_one_batch_with_sequence_level_corrections(fused_head):
+    """Sequence-level IS and a geometric-mean sequence mask read whole sequences; a sequence
+    lies within one row, so micro-batching leaves the step unchanged."""
+    loss = LossConfig(clip_low=0.2, clip_high=0.28, aggregation="seq_mean_token_mean",
+                      tis_cap=1.5, tis_level="sequence", mask_level="geometric",
+                      mask_low=0.9, mask_high=1.1, staleness_decay=0.5, max_staleness=1)
+    tx = optax.sgd(1.0)
+    params, batch = _params(), _batch(with_age=True)
+    fn = lambda k: upd.make_update_fn(CFG, loss, tx, num_micro=k, chunk=4,  # noqa: E731
+                                      fused_head=fused_head)
+    one, m1 = fn(1)(_state(params, tx), batch)
+    four, m4 = fn(4)(_state(params, tx), batch)
+    _assert_trees_close(one.params, four.params, rtol=1e-5, atol=1e-7)
+    for k in m1:
+        np.testing.assert_allclose(m1[k], m4[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    assert 0 < float(m1["masked_seq_frac"]) < 1, m1["masked_seq_frac"]
+    assert 0 < float(m1["staleness_weight_mean"]) < 1 and float(m1["tis_weight_mean"]) != 1
+    delta = jax.tree.map(lambda a, b: a - b, one.params, params)
+    assert max(float(jnp.abs(d).max()) for d in jax.tree.leaves(delta)) > 1e-4  # it moved
 
 
 def test_sharded_step_equals_single_device():

@@ -1,5 +1,7 @@
 """Clipped policy-gradient objectives of the GRPO family (PPO clip, clip-higher, dual clip,
-GSPO sequence ratios), KL to a reference, entropy bonus, truncated importance sampling.
+GSPO sequence ratios), KL to a reference, entropy bonus, and the rollout correction of
+lrl.rl.correction (truncated IS at token, sequence or geometric level, masked IS, a staleness
+weight).
 
 The core works on packed rows: several sequences per row, told apart by segment ids
 (0 = padding, 1, 2, ... = sequences of that row), with one advantage per token. Every
@@ -18,6 +20,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from lrl.rl import correction
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 RATIO_LEVELS = ("token", "sequence")
@@ -47,6 +51,28 @@ class LossConfig:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     tis_cap: float | None = None
+    tis_level: str = "token"
+    mask_level: str | None = None
+    mask_low: float = 0.5
+    mask_high: float = 2.0
+    staleness_decay: float = 1.0
+    max_staleness: int | None = None
+
+    @property
+    def corrects_rollout(self) -> bool:
+        """A term compares the trainer's old log-probs with the sampler's (rollout_logp)."""
+        return self.tis_cap is not None or self.mask_level is not None
+
+    @property
+    def weighs_staleness(self) -> bool:
+        """Samples are weighted by their age (the batch's sample_age)."""
+        return self.staleness_decay != 1.0 or self.max_staleness is not None
+
+    @property
+    def corrects_sequences(self) -> bool:
+        """A correction reads a whole sequence's ratio (not only each token's)."""
+        return ((self.tis_cap is not None and self.tis_level != "token")
+                or self.mask_level in ("sequence", "geometric"))
 
     def __post_init__(self):
         if self.aggregation not in AGGREGATIONS:
@@ -62,6 +88,21 @@ class LossConfig:
             raise ValueError(f"loss: dual_clip must be > 1 (verl uses 3), got {self.dual_clip}")
         if self.tis_cap is not None and self.tis_cap <= 0.0:
             raise ValueError(f"loss: tis_cap must be positive, got {self.tis_cap}")
+        if self.tis_level not in correction.LEVELS:
+            raise ValueError(f"loss: unknown tis_level {self.tis_level!r}; valid: "
+                             f"{correction.LEVELS}")
+        if self.mask_level is not None and self.mask_level not in correction.LEVELS:
+            raise ValueError(f"loss: unknown mask_level {self.mask_level!r}; valid: None or "
+                             f"{correction.LEVELS}")
+        if not 0.0 < self.mask_low <= 1.0 <= self.mask_high:
+            # a band without 1 would drop the tokens sampler and trainer agree on
+            raise ValueError(f"loss: need 0 < mask_low <= 1 <= mask_high, got mask_low="
+                             f"{self.mask_low}, mask_high={self.mask_high}")
+        if not 0.0 < self.staleness_decay <= 1.0:
+            raise ValueError(f"loss: staleness_decay must be in (0, 1], got "
+                             f"{self.staleness_decay}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"loss: max_staleness must be >= 0, got {self.max_staleness}")
         if self.max_len is not None and self.max_len <= 0:
             raise ValueError(f"loss: max_len must be positive, got {self.max_len}")
 
@@ -122,46 +163,68 @@ def _kl(logp_BT, ref_logp_BT, estimator: str):
     return jnp.minimum(jnp.exp(d_BT) - d_BT - 1.0, _MAX_K3)
 
 
-def _check_terms(cfg: LossConfig, ref_logp, rollout_logp):
-    if cfg.tis_cap is not None and rollout_logp is None:
-        raise ValueError("loss: tis_cap is set but rollout_logp_BT was not given")
+def _check_terms(cfg: LossConfig, ref_logp, rollout_logp, age=None):
+    if cfg.corrects_rollout and rollout_logp is None:
+        raise ValueError("loss: tis_cap / mask_level is set but rollout_logp_BT (the "
+                         "sampler's log-probs) was not given")
+    if cfg.weighs_staleness and age is None:
+        raise ValueError("loss: staleness_decay / max_staleness is set but age_BT (each "
+                         "token's sample age) was not given")
     if cfg.kl_coef != 0.0 and ref_logp is None:
         raise ValueError(f"loss: kl_coef={cfg.kl_coef} needs ref_logp_BT")
     if cfg.aggregation == "seq_mean_token_sum_norm" and cfg.max_len is None:
         raise ValueError("loss: aggregation seq_mean_token_sum_norm needs max_len")
 
 
-def _clipped_pg(log_ratio, adv, on, old_logp, rollout_logp, cfg: LossConfig):
-    """Per-token clipped policy-gradient term -> (term, ratio, TIS weight), elementwise."""
+def _clipped_pg(log_ratio, adv, cfg: LossConfig):
+    """Per-token clipped policy-gradient term -> (term, ratio), elementwise."""
     ratio = jnp.exp(jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
     pg = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high))
     if cfg.dual_clip is not None:
         pg = jnp.where(adv < 0, jnp.minimum(pg, -adv * cfg.dual_clip), pg)
-    if cfg.tis_cap is None:
-        return pg, ratio, jnp.ones_like(ratio)
-    # Truncated importance sampling (verl's TIS): the rollout engine's numerics differ from
-    # the trainer's, so reweight by the (capped) trainer/rollout ratio.
-    tis = jnp.exp(jnp.clip(old_logp - rollout_logp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-    tis = jax.lax.stop_gradient(jnp.minimum(jnp.where(on, tis, 1.0), cfg.tis_cap))
-    return pg * tis, ratio, tis
+    return pg, ratio
+
+
+def _correction(cfg: LossConfig, on, segment_ids, old_logp, rollout_logp, age):
+    """-> (IS weight, keep mask, staleness weight), each 1 where off, without gradient: the
+    policy term of a token is multiplied by IS x staleness, and its whole term by keep. The
+    sampler drew the tokens and the trainer's old log-probs judge them, so the ratio is
+    old / rollout (verl's rollout correction). `rollout_logp` None: no IS weight or mask;
+    `age` None: no staleness weight; `segment_ids` None: token level only."""
+    ones = jnp.ones(on.shape, jnp.float32)
+    w_is, keep, stale = ones, ones, ones
+    if cfg.corrects_rollout and rollout_logp is not None:
+        log_ratio = jnp.where(on, old_logp - rollout_logp, 0.0)
+        if cfg.tis_cap is not None:
+            w_is = correction.is_weight(log_ratio, on, segment_ids, level=cfg.tis_level,
+                                        cap=cfg.tis_cap)
+        if cfg.mask_level is not None:
+            keep = correction.keep_mask(log_ratio, on, segment_ids, level=cfg.mask_level,
+                                        low=cfg.mask_low, high=cfg.mask_high)
+    if cfg.weighs_staleness and age is not None:
+        stale = jnp.where(on, correction.staleness_weight(
+            age, decay=cfg.staleness_decay, max_age=cfg.max_staleness), 1.0)
+    return w_is, keep, stale
 
 
 def packed_policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, segment_ids_BT,
                        denoms: Denominators, cfg: LossConfig, *, ref_logp_BT=None,
-                       rollout_logp_BT=None, entropy_BT=None):
+                       rollout_logp_BT=None, age_BT=None, entropy_BT=None):
     """Loss contribution of one micro-batch of packed rows, and its summable metrics.
 
     All per-token inputs are [B, T]; `denoms` come from `loss_denominators` over the whole
     minibatch. The returned loss and the metrics (see `combine_metrics`) add up over
-    micro-batches to the values of the whole minibatch.
+    micro-batches to the values of the whole minibatch. `rollout_logp_BT` (the sampler's
+    log-probs) serves the rollout correction, `age_BT` (each token's sample age in policy
+    versions) the staleness weight; see `policy_loss`.
     """
     arrays = dict(logp_BT=logp_BT, old_logp_BT=old_logp_BT, adv_BT=adv_BT, mask_BT=mask_BT,
                   segment_ids_BT=segment_ids_BT, ref_logp_BT=ref_logp_BT,
-                  rollout_logp_BT=rollout_logp_BT, entropy_BT=entropy_BT)
+                  rollout_logp_BT=rollout_logp_BT, age_BT=age_BT, entropy_BT=entropy_BT)
     for name, a in arrays.items():
         if a is not None and a.shape != logp_BT.shape:
             raise ValueError(f"loss: {name} has shape {a.shape}, expected {logp_BT.shape}")
-    _check_terms(cfg, ref_logp_BT, rollout_logp_BT)
+    _check_terms(cfg, ref_logp_BT, rollout_logp_BT, age_BT)
     if cfg.entropy_coef != 0.0 and entropy_BT is None:
         raise ValueError(f"loss: entropy_coef={cfg.entropy_coef} needs entropy_BT")
 
@@ -181,12 +244,16 @@ def packed_policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, segment_ids_BT,
         log_ratio_BT = logp_BT - jax.lax.stop_gradient(logp_BT) + jax.lax.stop_gradient(
             seq_lr[slots_BT])
         log_ratio_BT = jnp.where(on_BT, log_ratio_BT, 0.0)
-    pg_BT, ratio_BT, tis_BT = _clipped_pg(log_ratio_BT, adv_BT, on_BT, old_logp_BT,
-                                          rollout_logp_BT, cfg)
+    pg_BT, ratio_BT = _clipped_pg(log_ratio_BT, adv_BT, cfg)
+    is_BT, keep_BT, stale_BT = _correction(
+        cfg, on_BT, segment_ids_BT, old_logp_BT,
+        None if rollout_logp_BT is None else rollout_logp_BT.astype(jnp.float32), age_BT)
     neg_BT = adv_BT < 0
 
-    w_BT = token_weights(m_BT, segment_ids_BT, denoms, cfg.aggregation)
-    pg_loss = jnp.sum(w_BT * jnp.where(on_BT, pg_BT, 0.0))
+    # A masked token leaves the loss (policy, KL and entropy terms); the denominators stay
+    # the loss mask's (see lrl.rl.correction).
+    w_BT = token_weights(m_BT, segment_ids_BT, denoms, cfg.aggregation) * keep_BT
+    pg_loss = jnp.sum(w_BT * jnp.where(on_BT, pg_BT * is_BT * stale_BT, 0.0))
     kl = (jnp.sum(w_BT * jnp.where(on_BT, _kl(logp_BT, ref_logp_BT, cfg.kl_estimator), 0.0))
           if ref_logp_BT is not None else jnp.zeros((), jnp.float32))
     entropy = (jnp.sum(w_BT * jnp.where(on_BT, entropy_BT.astype(jnp.float32), 0.0))
@@ -205,27 +272,56 @@ def packed_policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, segment_ids_BT,
         "ratio_mean": jnp.sum(jnp.where(on_BT, ratio_sg, 0.0)) / tok,
         "ratio_min": jnp.min(jnp.where(on_BT, ratio_sg, jnp.inf)),
         "ratio_max": jnp.max(jnp.where(on_BT, ratio_sg, -jnp.inf)),
-        "tis_weight_mean": jnp.sum(jnp.where(on_BT, tis_BT, 0.0)) / tok,
+        # the rollout correction: mean IS weight (before masking), the shares of trained
+        # tokens and of sequences the mask dropped, the mean staleness weight
+        "tis_weight_mean": jnp.sum(jnp.where(on_BT, is_BT, 0.0)) / tok,
+        "masked_token_frac": jnp.sum(jnp.where(on_BT, 1.0 - keep_BT, 0.0)) / tok,
+        "masked_seq_frac": (correction.masked_sequences(keep_BT, on_BT, segment_ids_BT)
+                            / jnp.maximum(denoms.sequences, 1.0)),
+        "staleness_weight_mean": jnp.sum(jnp.where(on_BT, stale_BT, 0.0)) / tok,
         "tokens": m_BT.sum(),
     }
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
 def token_loss_aux(mask_BT, segment_ids_BT, denoms: Denominators, cfg: LossConfig, *,
-                   adv_BT, old_logp_BT=None, ref_logp_BT=None, rollout_logp_BT=None) -> dict:
+                   adv_BT, old_logp_BT=None, ref_logp_BT=None, rollout_logp_BT=None,
+                   age_BT=None) -> dict:
     """The per-token constants of `token_loss` ([B, T] float32 each): weight (the aggregation's,
-    zero off the mask), advantage, and where given the old, reference and rollout log-probs.
-    Without old log-probs the batch is on-policy: old = current, without gradient."""
+    zero off the mask and on tokens the rollout correction masks), advantage, and where given
+    the old and reference log-probs; `corr`, the rollout correction's weight of the policy term
+    (IS x staleness), formed here over whole sequences. Without old log-probs the batch is
+    on-policy: old = current, without gradient, and a token-level correction is formed in
+    `token_loss` from the pass's own log-probs (the sampler's ride along as `rollout`); a
+    sequence-level one needs them before the pass, so it needs old_logp_BT."""
     if cfg.ratio_level != "token":
         raise ValueError("loss: a per-token loss needs ratio_level='token' (GSPO's sequence "
                          "ratio couples the tokens of a sequence)")
-    _check_terms(cfg, ref_logp_BT, rollout_logp_BT)
+    _check_terms(cfg, ref_logp_BT, rollout_logp_BT, age_BT)
     m_BT = _float_mask(mask_BT, segment_ids_BT)
-    w_BT = jnp.where(m_BT > 0, token_weights(m_BT, segment_ids_BT, denoms, cfg.aggregation), 0.0)
-    aux = {"w": w_BT, "on": (m_BT > 0).astype(jnp.float32), "adv": adv_BT}
-    for key, x in (("old", old_logp_BT), ("ref", ref_logp_BT), ("rollout", rollout_logp_BT)):
+    on_BT = m_BT > 0
+    w_BT = jnp.where(on_BT, token_weights(m_BT, segment_ids_BT, denoms, cfg.aggregation), 0.0)
+    aux = {"on": on_BT.astype(jnp.float32), "adv": adv_BT}
+    for key, x in (("old", old_logp_BT), ("ref", ref_logp_BT)):
         if x is not None:
             aux[key] = x
+    if cfg.corrects_rollout or cfg.weighs_staleness:
+        on_policy = old_logp_BT is None
+        if on_policy and cfg.corrects_sequences:
+            raise ValueError(
+                f"loss: a sequence-level rollout correction (tis_level={cfg.tis_level!r}, "
+                f"mask_level={cfg.mask_level!r}) needs old_logp_BT: the fused pass forms each "
+                "token's term before the sequence's other log-probs exist")
+        rollout = None if rollout_logp_BT is None else jnp.asarray(rollout_logp_BT, jnp.float32)
+        # On-policy, the IS weight and mask wait for this pass's log-probs (`token_loss`).
+        w_is, keep, stale = _correction(
+            cfg, on_BT, segment_ids_BT, None if on_policy else jnp.asarray(old_logp_BT),
+            None if on_policy else rollout, age_BT)
+        aux["corr"] = w_is * stale
+        w_BT = w_BT * keep
+        if on_policy and cfg.corrects_rollout:
+            aux["rollout"] = rollout
+    aux["w"] = w_BT
     return {k: jnp.asarray(x, jnp.float32) for k, x in aux.items()}
 
 
@@ -235,14 +331,17 @@ def token_loss(logp, ent, aux, *, cfg: LossConfig):
     from `token_loss_aux` (any shape, the same for every entry)."""
     on = aux["on"] > 0
     old = aux["old"] if "old" in aux else jax.lax.stop_gradient(logp)
-    pg, _, _ = _clipped_pg(jnp.where(on, logp - old, 0.0), aux["adv"], on, old,
-                           aux.get("rollout"), cfg)
-    term = jnp.where(on, pg, 0.0)
+    pg, _ = _clipped_pg(jnp.where(on, logp - old, 0.0), aux["adv"], cfg)
+    corr, keep = aux.get("corr", 1.0), 1.0
+    if "rollout" in aux:   # on-policy: this pass's log-probs are the trainer's old ones
+        w_is, keep, _ = _correction(cfg, on, None, old, aux["rollout"], None)
+        corr = corr * w_is
+    term = jnp.where(on, pg * corr, 0.0)
     if cfg.kl_coef != 0.0:
         term = term + cfg.kl_coef * jnp.where(on, _kl(logp, aux["ref"], cfg.kl_estimator), 0.0)
     if cfg.entropy_coef != 0.0:
         term = term - cfg.entropy_coef * jnp.where(on, ent, 0.0)
-    return aux["w"] * term
+    return aux["w"] * keep * term
 
 
 def combine_metrics(a: dict, b: dict) -> dict:
@@ -259,7 +358,9 @@ def combine_metrics(a: dict, b: dict) -> dict:
 def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, *, clip_low=0.2, clip_high=0.2,
                 dual_clip=None, ratio_level="token", aggregation="token_mean", max_len=None,
                 ref_logp_BT=None, kl_coef=0.0, kl_estimator="k3", entropy_BT=None,
-                entropy_coef=0.0, rollout_logp_BT=None, tis_cap=None):
+                entropy_coef=0.0, rollout_logp_BT=None, tis_cap=None, tis_level="token",
+                mask_level=None, mask_low=0.5, mask_high=2.0, age_B=None, staleness_decay=1.0,
+                max_staleness=None):
     """Clipped policy-gradient loss of B sequences (one per row) -> (loss, metrics).
 
     ratio = exp(logp - old_logp) per token (`ratio_level="token"`) or, GSPO, the exp of the
@@ -273,8 +374,15 @@ def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, *, clip_low=0.2, clip_high
     KL to the reference (k1 = logp - ref, k2 = ½(logp - ref)², k3 = min(exp(ref - logp) -
     (ref - logp) - 1, 10) as verl's low_var_kl; ref - logp clipped to [-20, 20] first, so
     k1 lies in [-20, 20] and k2 in [0, 200]) aggregated the same way, times kl_coef; minus
-    entropy_coef × the aggregated entropy. With `tis_cap`, the per-token policy term is weighted by
-    min(exp(old_logp - rollout_logp), tis_cap), without gradient (truncated IS, as verl).
+    entropy_coef × the aggregated entropy.
+    Rollout correction (lrl.rl.correction), all without gradient, from Δ = old_logp -
+    rollout_logp (the trainer's old log-probs against the sampler's) over a row's masked
+    tokens: with `tis_cap`, the policy term is weighted by min(ratio, tis_cap), the ratio
+    taken at `tis_level` (token: e^Δ_t; sequence: exp ΣΔ; geometric: exp mean Δ); with
+    `mask_level`, a token (token) or a whole sequence (sequence, geometric) whose ratio at
+    that level leaves [mask_low, mask_high] leaves the loss, the denominators unchanged; with
+    `staleness_decay` or `max_staleness`, row b's policy term is weighted by
+    staleness_decay ** age_B[b], 0 past max_staleness.
     """
     logp_BT = jnp.asarray(logp_BT)
     if logp_BT.ndim != 2:
@@ -286,14 +394,19 @@ def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, *, clip_low=0.2, clip_high
     cfg = LossConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
                      ratio_level=ratio_level, aggregation=aggregation,
                      max_len=t if max_len is None else max_len, kl_coef=kl_coef,
-                     kl_estimator=kl_estimator, entropy_coef=entropy_coef, tis_cap=tis_cap)
+                     kl_estimator=kl_estimator, entropy_coef=entropy_coef, tis_cap=tis_cap,
+                     tis_level=tis_level, mask_level=mask_level, mask_low=mask_low,
+                     mask_high=mask_high, staleness_decay=staleness_decay,
+                     max_staleness=max_staleness)
     seg_BT = jnp.ones((b, t), jnp.int32)
     # Unpacked, B counts every row (Dr. GRPO's constant normaliser), even one without tokens.
     denoms = loss_denominators(mask_BT, seg_BT)._replace(
         sum_norm=jnp.asarray(float(b * cfg.max_len), jnp.float32))
     adv_BT = jnp.broadcast_to(adv_B[:, None], (b, t))
     as_array = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
+    age_BT = None if age_B is None else jnp.broadcast_to(
+        jnp.asarray(age_B, jnp.float32)[:, None], (b, t))
     return packed_policy_loss(logp_BT, jnp.asarray(old_logp_BT), adv_BT, jnp.asarray(mask_BT),
                               seg_BT, denoms, cfg, ref_logp_BT=as_array(ref_logp_BT),
-                              rollout_logp_BT=as_array(rollout_logp_BT),
+                              rollout_logp_BT=as_array(rollout_logp_BT), age_BT=age_BT,
                               entropy_BT=as_array(entropy_BT))

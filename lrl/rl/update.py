@@ -6,7 +6,9 @@ A batch is a dict of [B, T] arrays (see `lrl.data.packing`):
   tokens, positions, segment_ids (0 = padding), targets (next token within the segment),
   loss_mask (1 where the target is a completion token), advantages (per token),
   old_logp (optional: absent means on-policy, ratio exactly 1), ref_logp (optional, for KL),
-  rollout_logp (optional, for truncated importance sampling).
+  rollout_logp (optional: the sampler's log-probs, for the rollout correction),
+  sample_age (optional: each token's sample age in policy versions, for the staleness
+  weight).
 The B rows are split into `num_micro` micro-batches whose gradients are added up
 (`lrl.rl.train.accumulate_and_apply`); the loss denominators are computed once over all B
 rows (all data shards: under jit the batch is one global array), so the step equals the
@@ -44,7 +46,7 @@ from lrl.rl.train import (AccumulatePrograms, TrainState, abstract_train_state, 
                           run_accumulated, train_state_shardings)
 
 REQUIRED_KEYS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "advantages")
-OPTIONAL_KEYS = ("old_logp", "ref_logp", "rollout_logp")
+OPTIONAL_KEYS = ("old_logp", "ref_logp", "rollout_logp", "sample_age")
 
 
 def _check_batch(batch, num_micro: int, required=REQUIRED_KEYS, optional=OPTIONAL_KEYS):
@@ -118,7 +120,7 @@ def micro_loss(params, mb, denoms: losses.Denominators, extra=None, *, objective
         return losses.packed_policy_loss(
             logp_BT, old_BT, mb["advantages"], mb["loss_mask"], mb["segment_ids"], denoms,
             cfg, ref_logp_BT=mb.get("ref_logp"), rollout_logp_BT=mb.get("rollout_logp"),
-            entropy_BT=ent_BT if o.compute_entropy else None)
+            age_BT=mb.get("sample_age"), entropy_BT=ent_BT if o.compute_entropy else None)
 
     if not (o.fused_head and cfg.ratio_level == "token"):
         return terms(*token_logprobs(o.model_cfg, params, mb, o.mesh, o.chunk, o.compute_entropy,
@@ -128,7 +130,8 @@ def micro_loss(params, mb, denoms: losses.Denominators, extra=None, *, objective
     aux = losses.token_loss_aux(mb["loss_mask"], mb["segment_ids"], denoms, cfg,
                                 adv_BT=mb["advantages"], old_logp_BT=mb.get("old_logp"),
                                 ref_logp_BT=mb.get("ref_logp"),
-                                rollout_logp_BT=mb.get("rollout_logp"))
+                                rollout_logp_BT=mb.get("rollout_logp"),
+                                age_BT=mb.get("sample_age"))
     loss, logp_BT, ent_BT = fused_token_loss(
         x_BTD, w_DV, mb["targets"], functools.partial(losses.token_loss, cfg=cfg), aux,
         chunk=o.chunk, compute_entropy=o.compute_entropy)
