@@ -120,3 +120,68 @@ def test_auto_shares_long_prompts_only_and_errors_are_clear():
         sp.pack_groups([p, p + 1], [p, p], 16, groups=[0, 0], share=[True, True])
     with pytest.raises(ValueError, match="shared and unshared"):
         sp.pack_groups([p, p], [p, p], 16, groups=[0, 0], share=[True, False])
+
+
+# ----------------------------------------------------------------------------- attention
+
+def reference_attention(q, k, v, seg, pre):
+    """Materialised scores under the layout's mask: same segment and causal, or a
+    response's query on its prefix's keys."""
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    q_pre, kv_pre = sa.prefix_masks(seg, pre)
+    idx = jnp.arange(T)
+    vis = (((seg[:, :, None] == seg[:, None, :]) & (idx[None, None] <= idx[None, :, None]))
+           | (q_pre[:, :, None] == kv_pre[:, None, :]))
+    s = jnp.einsum("btkgh,bskh->bkgts", q.reshape(B, T, K, N // K, H), k) * H ** -0.5
+    p = jax.nn.softmax(jnp.where(vis[:, None, None], s, -jnp.inf), -1)
+    return jnp.einsum("bkgts,bskh->btkgh", p, v).reshape(B, T, N, H)
+
+
+def _rows(seed, G, row_len=48, rows=2):
+    rng = np.random.default_rng(seed)
+    prompts, comps, groups = groups_of(rng, 4, G, (2, 12), (0, 7))
+    share = sp.share_groups(groups, [len(p) for p in prompts], [len(c) for c in comps], "on")
+    b, _ = sp.pack_groups(prompts, comps, row_len, groups=groups, share=share,
+                          max_segments=30, min_rows=rows, rows_multiple=rows)
+    return rng, jnp.asarray(b["segment_ids"]), jnp.asarray(b["prefix_ids"])
+
+
+def _values_and_grads(fn, q, k, v, do):
+    o, vjp = jax.vjp(fn, q, k, v)
+    return o, vjp(do)
+
+
+@pytest.mark.parametrize("G", [1, 3, 6])
+@pytest.mark.parametrize("n,path", [(1, "dense"), (2, "ring"), (4, "ring"), (4, "ulysses")])
+def test_shared_attention_dense_and_ring_match_the_masked_reference(G, n, path):
+    """Values and gradients of q, k, v (fp32): whole rows on one device, the ring over n seq
+    shards in the zig-zag layout and Ulysses over n; several groups a row, a group cut over
+    rows."""
+    rng, seg, pre = _rows(G, G)
+    B, T = seg.shape
+    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    q, k, v, do = f(B, T, 4, 8), f(B, T, 2, 8), f(B, T, 2, 8), f(B, T, 4, 8)
+    want = _values_and_grads(lambda q, k, v: reference_attention(q, k, v, seg, pre), q, k, v, do)
+    if path == "dense":
+        fn = lambda q, k, v: sa.shared_attention(q, k, v, seg, pre, q_chunk=8, kv_chunk=8)  # noqa
+    elif path == "ulysses":
+        from lrl.models import ulysses
+        mesh = make_mesh({"seq": n, "fsdp": -1})
+        fn = lambda q, k, v: ulysses.ulysses_attention(q, k, v, seg, mesh=mesh, q_chunk=8,  # noqa
+                                                       kv_chunk=8, prefix_ids_BT=pre)
+    else:
+        mesh = make_mesh({"seq": n, "fsdp": -1})
+        perm = ring.zigzag_permutation(T, n)
+        inv = ring.inverse_permutation(perm)
+
+        def fn(q, k, v):
+            return ring.ring_attention(q[:, perm], k[:, perm], v[:, perm], seg[:, perm],
+                                       mesh=mesh, q_chunk=4, kv_chunk=4,
+                                       prefix_ids_BT=pre[:, perm])[:, inv]
+    got = jax.jit(lambda q, k, v: _values_and_grads(fn, q, k, v, do))(q, k, v)
+    for a, b, name in zip((got[0], *got[1]), (want[0], *want[1]), "oqkv"):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+    if G == 1:   # nothing shared: exactly the plain packed attention
+        from lrl.models import flash
+        np.testing.assert_allclose(got[0], flash.dense_attention(q, k, v, seg), atol=1e-6)
