@@ -185,3 +185,108 @@ def test_shared_attention_dense_and_ring_match_the_masked_reference(G, n, path):
     if G == 1:   # nothing shared: exactly the plain packed attention
         from lrl.models import flash
         np.testing.assert_allclose(got[0], flash.dense_attention(q, k, v, seg), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the update
+
+def _update_batches(seed, G, row_len, rows, vocab, num_groups=3, prompt_len=(3, 14),
+                    completion_len=(1, 7)):
+    """The same samples packed both ways -> ((unshared rows, layout), (shared rows, layout)),
+    with advantages and old / reference / rollout log-probs near a tiny model's."""
+    rng = np.random.default_rng(seed)
+    prompts, comps, groups = groups_of(rng, num_groups, G, prompt_len, completion_len, vocab)
+    tok = {k: [rng.normal(-3.4, 0.2, len(c)) for c in comps]
+           for k in ("old_logp", "ref_logp", "rollout_logp")}
+    kw = dict(seq_values={"advantages": rng.normal(size=len(comps))}, token_values=tok,
+              min_rows=rows, rows_multiple=rows, max_segments=40)
+    plain = packing.pack(prompts, comps, row_len, fit="best", **kw)
+    share = sp.share_groups(groups, [len(p) for p in prompts], [len(c) for c in comps], "on")
+    shared = sp.pack_groups(prompts, comps, row_len, groups=groups, share=share, **kw)
+    assert shared[0]["prefix_ids"].any() == (G > 1)
+    return plain, shared
+
+
+LOSSES = {
+    "token_mean": dict(aggregation="token_mean", kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0),
+    "seq_mean_token_mean": dict(aggregation="seq_mean_token_mean", kl_coef=0.1,
+                                kl_estimator="k2", entropy_coef=0.01),
+    "seq_mean_token_sum_norm": dict(aggregation="seq_mean_token_sum_norm", max_len=64,
+                                    tis_cap=1.5),
+    "gspo": dict(ratio_level="sequence", aggregation="seq_mean_token_mean", kl_coef=0.05),
+}
+
+
+def _step(cfg, loss_cfg, batch, mesh=None, num_micro=1, fused_head=True):
+    """One SGD(1) step from the same parameters -> (parameter change = -gradient, metrics,
+    per-token log-probs [B, T])."""
+    import optax
+
+    from lrl import mesh as mesh_lib
+    from lrl import models
+    from lrl.rl import update as upd
+    params = models.init_params(cfg, jax.random.key(0))
+    tx = optax.sgd(1.0)
+    state = upd.init_train_state(jax.tree.map(jnp.array, params), tx)
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    if mesh is not None:
+        state = jax.device_put(state, upd.train_state_shardings(cfg, tx, mesh))
+        batch = jax.device_put(batch, mesh_lib.batch_sharding(mesh, 2))
+    logp = upd.make_logprobs_fn(cfg, mesh, chunk=8)(state.params, batch)
+    new, metrics = upd.make_update_fn(cfg, loss_cfg, tx, mesh, num_micro=num_micro, chunk=8,
+                                      fused_head=fused_head)(state, batch)
+    delta = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), new.params, params)
+    return delta, jax.device_get(metrics), np.asarray(logp)
+
+
+def _assert_same_step(plain, shared, cfg, loss_cfg, **kw):
+    (pb, pl), (sb, sl) = plain, shared
+    d0, m0, lp0 = _step(cfg, loss_cfg, pb, **kw)
+    d1, m1, lp1 = _step(cfg, loss_cfg, sb, **kw)
+    for a, b in zip(packing.completion_values(lp1, sl), packing.completion_values(lp0, pl)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for k in m0:
+        np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert max(float(np.abs(x).max()) for x in jax.tree.leaves(d0)) > 1e-3   # it moved
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(d1)[0], jax.tree.leaves(d0)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5,
+                                   err_msg=jax.tree_util.keystr(path))
+    # the shared rows hold fewer tokens for the same samples
+    assert (sb["segment_ids"] > 0).sum() < (pb["segment_ids"] > 0).sum() or \
+        not sb["prefix_ids"].any()
+
+
+def _tiny(**kw):
+    from lrl import models
+    return models.tiny_config(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                              head_dim=8, mlp_dim=64, **kw)
+
+
+@pytest.mark.parametrize("loss,G,row_len,rows", [
+    ("token_mean", 1, 32, 4), ("seq_mean_token_mean", 2, 48, 2),
+    ("seq_mean_token_sum_norm", 4, 40, 2), ("gspo", 8, 64, 2), ("token_mean", 8, 64, 2),
+    ("seq_mean_token_mean", 5, 40, 2)])
+def test_shared_update_equals_unshared_on_one_device(loss, G, row_len, rows):
+    """Loss, metrics, per-token log-probs and parameter gradients (fp32) of the shared layout
+    are the unshared layout's: every aggregation, KL, entropy, TIS and GSPO; several groups a
+    row and (G=8 in rows of 64) a group cut over rows. G=1 is today's layout."""
+    from lrl.rl import LossConfig
+    plain, shared = _update_batches(G * 7 + row_len, G, row_len, rows, 32)
+    _assert_same_step(plain, shared, _tiny(), LossConfig(**LOSSES[loss]))
+
+
+def test_shared_update_unfused_head_and_micro_batches():
+    from lrl.rl import LossConfig
+    plain, shared = _update_batches(3, 4, 48, 4, 32)
+    _assert_same_step(plain, shared, _tiny(), LossConfig(**LOSSES["token_mean"]),
+                      num_micro=2, fused_head=False)
+
+
+@pytest.mark.parametrize("attention", ["ring", "ulysses"])
+def test_shared_update_equals_unshared_on_fsdp_x_seq(attention):
+    """The same over a mesh of fsdp 2 x seq 4: ring attention in the zig-zag layout (a prompt
+    prefix spread over several seq shards) and Ulysses."""
+    from lrl.rl import LossConfig
+    mesh = make_mesh({"fsdp": 2, "seq": 4})
+    plain, shared = _update_batches(11, 4, 64, 2, 32, prompt_len=(12, 30))
+    _assert_same_step(plain, shared, _tiny(attention=attention),
+                      LossConfig(**LOSSES["seq_mean_token_mean"]), mesh=mesh, num_micro=2)
