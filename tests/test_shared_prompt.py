@@ -257,8 +257,8 @@ def _assert_same_step(plain, shared, cfg, loss_cfg, **kw):
 
 def _tiny(**kw):
     from lrl import models
-    return models.tiny_config(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                              head_dim=8, mlp_dim=64, **kw)
+    return models.tiny_config(**{**dict(vocab_size=32, d_model=32, n_layers=2, n_heads=4,
+                                        n_kv_heads=2, head_dim=8, mlp_dim=64), **kw})
 
 
 @pytest.mark.parametrize("loss,G,row_len,rows", [
@@ -290,3 +290,91 @@ def test_shared_update_equals_unshared_on_fsdp_x_seq(attention):
     plain, shared = _update_batches(11, 4, 64, 2, 32, prompt_len=(12, 30))
     _assert_same_step(plain, shared, _tiny(attention=attention),
                       LossConfig(**LOSSES["seq_mean_token_mean"]), mesh=mesh, num_micro=2)
+
+
+# ----------------------------------------------------------------------------- M-RoPE
+
+def _vl_config():
+    from lrl.models import vision, vl
+    text = _tiny(model_type="qwen2", vocab_size=160, qkv_bias=True, mrope_section=(1, 1, 2))
+    return vl.VLConfig(text, vision.VisionConfig(depth=1, out_hidden_size=32),
+                       image_token_id=150, video_token_id=151, vision_start_token_id=152,
+                       vision_end_token_id=153)
+
+
+def _vl_rows(seed, G, share_mode):
+    """Two video prompts (table rows 0 and 8; the second ends on its visual tokens), G
+    random completions each, packed with `rl.shared_prompt=share_mode` and given their
+    visual index and M-RoPE positions -> (rows, layout)."""
+    from lrl.models import vl
+    from lrl.tasks import Prompt, video
+    VL_CFG = _vl_config()
+    rng = np.random.default_rng(seed)
+    grid = (2, 4, 4)
+    n = VL_CFG.tokens_per_item(grid)
+    prompts = []
+    for tail in ([153] + list(rng.integers(0, 140, 5)), []):
+        ids = np.array([3, 152] + [151] * n + tail, np.int32)
+        pos, delta = vl.mrope_positions(VL_CFG, ids, video_grids=[grid])
+        prompts.append(Prompt(ids, "a", {}, "", visual=video.VisualRows(None, n, pos, delta)))
+    comps = [rng.integers(0, 150, rng.integers(2, 8)).astype(np.int32) for _ in range(2 * G)]
+    comps[0][1] = VL_CFG.video_token_id          # a sampled pad stays an ordinary token
+    groups = np.arange(2 * G) // G
+    share = sp.share_groups(groups, [len(prompts[g].ids) for g in groups],
+                            [len(c) for c in comps], share_mode)
+    rows, layout = sp.pack_groups(
+        [prompts[g].ids for g in groups], comps, 64, groups=groups, share=share,
+        seq_values={"advantages": rng.normal(size=2 * G)},
+        token_values={"old_logp": [rng.normal(-3.4, 0.2, len(c)) for c in comps]},
+        rows_multiple=2, max_segments=40)
+    if share_mode == "off":
+        rows.pop("prefix_ids")
+    rows = video.add_visual_rows(VL_CFG, rows, layout, [prompts[g] for g in groups],
+                                 [8 * g for g in groups])
+    return rows, layout
+
+
+@pytest.mark.parametrize("G,attention", [(1, "dense"), (4, "dense"), (3, "ring")])
+def test_vl_shared_update_equals_unshared_with_mrope(G, attention):
+    """The Qwen2.5-VL decoder reading a visual table: the prompt's visual tokens appear once
+    in the shared rows, its responses take M-RoPE positions continuing from the prompt's
+    end; loss, log-probs and gradients are the unshared layout's (ring: fsdp 2 x seq 4)."""
+    import optax
+
+    from lrl import mesh as mesh_lib
+    from lrl import models
+    from lrl.models import vl
+    from lrl.rl import LossConfig
+    from lrl.rl import update as upd
+    plain, shared = _vl_rows(G, G, "off"), _vl_rows(G, G, "on")
+    # once a prompt, but the second prompt's last (visual) token opens each of its responses
+    n_vis = 8 + 7 + G if G > 1 else 16
+    assert (shared[0]["visual_index"] >= 0).sum() == n_vis
+    assert (plain[0]["visual_index"] >= 0).sum() == 2 * 8 * G
+    cfg = _vl_config().text.replace(attention=attention)
+    mesh = make_mesh({"fsdp": 2, "seq": 4}) if attention == "ring" else None
+    table = jax.random.normal(jax.random.key(1), (16, cfg.d_model))
+    loss = LossConfig(aggregation="seq_mean_token_mean", entropy_coef=0.01)
+    params = models.init_params(cfg, jax.random.key(0))
+    tx = optax.sgd(1.0)
+    kw = dict(hidden=vl.batch_hidden_states, extra_keys=("visual_index",), chunk=8)
+    out = []
+    for rows, layout in (plain, shared):
+        state = upd.init_train_state(jax.tree.map(jnp.array, params), tx)
+        t = table
+        if mesh is not None:
+            state = jax.device_put(state, upd.train_state_shardings(cfg, tx, mesh))
+            t = jax.device_put(table, mesh_lib.replicated(mesh))
+        batch = mesh_lib.put_batch(mesh, rows)
+        logp = upd.make_logprobs_fn(cfg, mesh, **kw)(state.params, batch, t)
+        new, m = upd.make_update_fn(cfg, loss, tx, mesh, **kw)(state, batch, t)
+        out.append((packing.completion_values(np.asarray(logp), layout), jax.device_get(m),
+                    jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), new.params,
+                                 params)))
+    (lp0, m0, d0), (lp1, m1, d1) = out
+    for a, b in zip(lp1, lp0):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for k in m0:
+        np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(d1), jax.tree.leaves(d0)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
