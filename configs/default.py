@@ -128,6 +128,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.overlong = "none"           # none | mask | penalty (DAPO overlong handling)
     c.rl.overlong_buffer = 8         # penalty ramps over the last N tokens of the limit
     c.rl.overlong_penalty = 1.0
+    c.rl.shared_prompt = "off"       # off | on | auto: a group's prompt held once per update row
+                                     # and computed once, not G times (lrl.data.shared_prompt);
+                                     # auto: for groups whose prompt is longer than their mean
+                                     # response. Exact: the same loss and gradients
     c.rl.loss = ml_collections.ConfigDict(dict(
         clip_low=0.2, clip_high=0.28, dual_clip=0.0, ratio_level="token",
         aggregation="seq_mean_token_mean", kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,

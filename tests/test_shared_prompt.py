@@ -120,6 +120,8 @@ def test_auto_shares_long_prompts_only_and_errors_are_clear():
         sp.pack_groups([p, p + 1], [p, p], 16, groups=[0, 0], share=[True, True])
     with pytest.raises(ValueError, match="shared and unshared"):
         sp.pack_groups([p, p], [p, p], 16, groups=[0, 0], share=[True, False])
+    from lrl import options
+    assert options.SHARED_PROMPT == sp.MODES   # the config check and the packer agree
 
 
 # ----------------------------------------------------------------------------- attention
@@ -378,3 +380,83 @@ def test_vl_shared_update_equals_unshared_with_mrope(G, attention):
         np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-6, err_msg=k)
     for a, b in zip(jax.tree.leaves(d1), jax.tree.leaves(d0)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def test_grpo_loop_with_shared_prompts_end_to_end(tmp_path, monkeypatch):
+    """`rl.shared_prompt=on` through `lrl.loop.run` on the tiny default config, with the
+    trainer's old log-probs and the reference's (KL) taken on the shared rows: groups are
+    shared, the policy moves, the metrics are finite, and from the third step on nothing
+    compiles (README: the second step may still compile)."""
+    import json
+
+    from lrl import loop
+    from tests.test_loop import tiny_config
+    shared_rows = []
+    pack_groups = sp.pack_groups
+
+    def spy(*a, **k):
+        rows, layout = pack_groups(*a, **k)
+        shared_rows.append(int(layout["shared"].sum()))
+        return rows, layout
+    monkeypatch.setattr(sp, "pack_groups", spy)
+    cfg = tiny_config(shared_prompt="on", epochs=2, recompute_old_logp=True)
+    cfg.rl.loss.kl_coef = 0.01
+    cfg.eval.every = 0
+    cfg.reward.spec = "test_digits:1.0"      # tests/test_loop.py's dense reward
+    loop.run(cfg, str(tmp_path))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    grpo_rows = [r for r in rows if r["phase"] == "grpo" and "loss" in r]
+    assert len(grpo_rows) == 3 and shared_rows and min(shared_rows) > 0
+    for r in grpo_rows:
+        for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "ratio_mean"):
+            assert np.isfinite(r[k]), (k, r[k])
+    assert max(abs(r["loss"]) for r in grpo_rows) > 0 and grpo_rows[-1]["kl"] > 0
+    assert grpo_rows[-1]["compiles/step"] == 0
+
+
+def test_minibatches_cut_between_groups_when_shared():
+    """With the shared layout a minibatch holds whole groups (the same cut as by samples when
+    the minibatch count divides the prompts); unshared, the cut is by samples as before."""
+    from lrl import grpo
+    by_samples = grpo.minibatch_samples(4, 3, 2, whole_groups=False)
+    assert [x.tolist() for x in grpo.minibatch_samples(4, 3, 2, whole_groups=True)] == \
+        [x.tolist() for x in by_samples]
+    got = grpo.minibatch_samples(3, 4, 2, whole_groups=True)
+    assert [x.tolist() for x in got] == [list(range(8)), list(range(8, 12))]
+    assert [len(x) for x in grpo.minibatch_samples(3, 4, 2, whole_groups=False)] == [6, 6]
+    # fewer groups than minibatches: by samples, each part shared within its minibatch
+    assert [len(x) for x in grpo.minibatch_samples(1, 4, 2, whole_groups=True)] == [2, 2]
+
+
+def test_video_grpo_loop_with_shared_prompts(tmp_path, monkeypatch):
+    """`rl.shared_prompt=on` for the video task: each group's visual prompt is held once in
+    its row (visual rows and M-RoPE positions in the prefix), and the trainer's log-probs of
+    those rows are still the sampler's (ratio 1, as for unshared rows in test_video_grpo)."""
+    from lrl import loop
+    from lrl.rewards import register
+    from tests.test_video_grpo import _config
+
+    @register("test_video_len_shared")
+    def _length_reward(completion, answer, **meta):
+        return float(len(completion) % 3)
+
+    shared = []
+    pack_groups = sp.pack_groups
+
+    def spy(*a, **k):
+        rows, layout = pack_groups(*a, **k)
+        shared.append(int(layout["shared"].sum()))
+        return rows, layout
+    monkeypatch.setattr(sp, "pack_groups", spy)
+    c = _config("runlocal")
+    c.reward.spec = "video:1.0,test_video_len_shared:0.5"
+    c.rl.steps, c.rl.prompts_per_step, c.rl.group_size = 2, 2, 4
+    c.rl.shared_prompt = "on"
+    c.eval.every = 0
+    m = loop.run(c, str(tmp_path))["grpo"]
+    assert shared and min(shared) > 0 and m["pack/shared_frac"] > 0
+    assert all(np.isfinite(x) for x in m.values())
+    assert m["grad_norm"] > 0
+    assert abs(m["ratio_max"] - 1) < 1e-4 and abs(m["ratio_min"] - 1) < 1e-4
