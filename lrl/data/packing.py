@@ -152,7 +152,9 @@ def micro_batches(batch: Mapping[str, np.ndarray], num_shards: int, rows_per_sha
                                                  max(len(p) for p in per_shard))
     K = int(rows_per_shard)
     full = fewest // K                                  # micro-batches of K rows a shard
-    sizes = [K] * full + [1] * max(1, most - full * K)
+    # no one-row tail when the K-row micro-batches take every row (an empty micro-batch
+    # would cost a whole forward and backward); one micro-batch even of no rows
+    sizes = [K] * full + [1] * (most - full * K) or [1]
     out, at = [], 0
     for k in sizes:
         pick = np.full(num_shards * k, -1, np.int64)
