@@ -152,9 +152,13 @@ def micro_batches(batch: Mapping[str, np.ndarray], num_shards: int, rows_per_sha
                                                  max(len(p) for p in per_shard))
     K = int(rows_per_shard)
     full = fewest // K                                  # micro-batches of K rows a shard
-    # no one-row tail when the K-row micro-batches take every row (an empty micro-batch
-    # would cost a whole forward and backward); one micro-batch even of no rows
-    sizes = [K] * full + [1] * (most - full * K) or [1]
+    sizes = [K] * full + [1] * (most - full * K)
+    # With K > 1 a minibatch always ends in a one-row micro-batch (empty when the K-row ones
+    # took every row), so the run's second shape compiles in its first step, not some later
+    # one. With K = 1 there is one shape, and an empty micro-batch would only cost a row's
+    # forward and backward. One micro-batch even of no rows.
+    if not sizes or (K > 1 and most == full * K):
+        sizes.append(1)
     out, at = [], 0
     for k in sizes:
         pick = np.full(num_shards * k, -1, np.int64)
