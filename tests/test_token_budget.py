@@ -59,9 +59,9 @@ def test_host_micro_batches_equal_one_batch(aggregation, sizes, attention):
     ref_params = jax.tree.map(np.asarray, ref_state.params)
     u = upd.make_update_programs(cfg, loss, tx, mesh)
     counts = set()
-    for rows_per_shard in (1, 2, 5):
+    for rows_per_shard in (1, 2, 3):   # three different cuts into micro-batches
         micro = packing.micro_batches(rows, shards, rows_per_shard)
-        counts.add(len(micro))
+        counts.add(tuple(mb["tokens"].shape[0] for mb in micro))
         denoms = upd.host_denominators(micro, loss.max_len)
         got_state, got = upd.run_update(u, jax.tree.map(jnp.copy, state),
                                         [mesh_lib.put_batch(mesh, mb) for mb in micro], denoms)
