@@ -133,6 +133,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                      # at least one of each micro-batch shape); all of them, at
                                      # no cost, when old log-probs come from the trainer; 0 = no
                                      # mismatch metrics
+    c.rl.shared_prompt = "off"       # off | on | auto: a group's prompt held once per update row
+                                     # and computed once, not G times (lrl.data.shared_prompt);
+                                     # auto: for groups whose prompt is longer than their mean
+                                     # response. Exact: the same loss and gradients
     c.rl.loss = ml_collections.ConfigDict(dict(
         clip_low=0.2,                # PPO clip: the ratio's lower bound is 1 - clip_low
         clip_high=0.28,              # ... and its upper 1 + clip_high (DAPO's clip-higher)

@@ -15,6 +15,11 @@ swapped alone:
 
 A micro-batch is [rows_per_micro, row_len] for the whole run: a minibatch's token count
 changes only how many micro-batches it has (one `accumulate` call each), never a shape.
+With `rl.shared_prompt` on or auto the rows may hold a group's prompt once before its
+responses (`lrl.data.shared_prompt`): minibatches are then cut between groups, every row
+carries `prefix_ids`, and the old / reference log-prob passes read the same rows, so they
+and the update see one layout; the loss denominators count responses as they count
+unshared sequences.
 
 P prompts · G samples per prompt · B packed rows · T positions.
 """
@@ -31,7 +36,7 @@ import numpy as np
 
 from lrl import compiles, distributed, rl, rollout
 from lrl import mesh as mesh_lib
-from lrl.data import packing
+from lrl.data import packing, shared_prompt
 from lrl.rl import mismatch
 from lrl.tasks import Prompt
 
@@ -269,14 +274,18 @@ class Minibatch:
     extra: object
     tokens: int          # real tokens in this process's micro-batches
     slots: int           # row_len x rows of this process's micro-batches
+    shared: int = 0      # samples whose prompt is held once for their group (shared layout)
 
 
 def pack(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray,
          samples: np.ndarray):
     """The `samples` (flat indices p*G + g) packed best-fit into rows of `s.row_len`; the loss
     mask covers completion tokens (times the overlong weight); the sampler's log-probs ride
-    along as old log-probs when they serve; the task adds its own row arrays. -> (rows,
-    layout, forward extra)."""
+    along as old log-probs when they serve; the task adds its own row arrays. With
+    `rl.shared_prompt` on or auto, the groups it picks hold their prompt once per row
+    (`lrl.data.shared_prompt`), and the rows always carry `prefix_ids` (all 0 when nothing
+    is shared), so the update sees one set of arrays and compiles once. -> (rows, layout,
+    forward extra)."""
     G = groups.group_size
     sample_prompts = [groups.prompts[i // G] for i in samples]
     comps = [groups.completions[i] for i in samples]
@@ -286,10 +295,17 @@ def pack(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray,
         token_values["old_logp"] = [groups.logps[i] for i in samples]
     seq_values = {"advantages": adv_PG.reshape(-1)[samples]}
     correction_values(s.rl, groups, samples, token_values, seq_values)
-    rows, layout = packing.pack([p.ids for p in sample_prompts], comps, s.row_len,
-                                seq_values=seq_values,
-                                token_values=token_values, truncate=True, fit="best",
-                                max_segments=s.max_segments)
+    ids = [p.ids for p in sample_prompts]
+    kw = dict(seq_values=seq_values, token_values=token_values, truncate=True,
+              max_segments=s.max_segments)
+    if s.rl.shared_prompt == "off":
+        rows, layout = packing.pack(ids, comps, s.row_len, fit="best", **kw)
+    else:
+        group_of = np.asarray(samples) // G
+        share = shared_prompt.share_groups(group_of, [len(x) for x in ids],
+                                           [len(c) for c in comps], s.rl.shared_prompt)
+        rows, layout = shared_prompt.pack_groups(ids, comps, s.row_len, groups=group_of,
+                                                 share=share, **kw)
     rows["loss_mask"] = rows["loss_mask"] * rows.pop("completion_weight")
     rows, extra = s.task.update_inputs(rows, layout, sample_prompts)
     return rows, layout, extra
@@ -316,7 +332,8 @@ def minibatches(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray
     Minibatch, truncated sample count)."""
     local_shards = max(1, s.shards // jax.process_count())
     out, truncated = [], 0
-    for samples in np.array_split(np.arange(len(groups.completions)), s.rl.minibatches):
+    for samples in minibatch_samples(groups.P, groups.group_size, s.rl.minibatches,
+                                     whole_groups=s.rl.shared_prompt != "off"):
         rows, layout, extra = pack(s, groups, adv_PG, weight, samples)
         truncated += layout["num_truncated"]
         # Every process runs the same sequence of micro-batch shapes: one plan from all.
@@ -328,14 +345,29 @@ def minibatches(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray
         denoms = _global_denominators(micro, s.max_len)
         tokens = int(sum((mb["segment_ids"] > 0).sum() for mb in micro))
         out.append(Minibatch([mesh_lib.put_batch(s.mesh, mb) for mb in micro], denoms, extra,
-                             tokens, sum(mb["tokens"].size for mb in micro)))
+                             tokens, sum(mb["tokens"].size for mb in micro),
+                             int(layout.get("shared", np.zeros(0, bool)).sum())))
     return out, truncated
+
+
+def minibatch_samples(P: int, G: int, k: int, whole_groups: bool) -> list[np.ndarray]:
+    """The flat sample indices (p*G + g) of each of `k` minibatches. `whole_groups` (the
+    shared-prompt layout) cuts only between groups, so a group's prompt is held once in one
+    minibatch rather than once in each part it was cut into; when k divides P this is the
+    same cut as by samples. With fewer groups than minibatches the cut is by samples, and
+    each part of a group shares its prompt within its minibatch."""
+    if not whole_groups or P < k:
+        return np.array_split(np.arange(P * G), k)
+    return [np.arange(part[0] * G, (part[-1] + 1) * G)
+            for part in np.array_split(np.arange(P), k)]
 
 
 def micro_batch_spec(s_rl, task, mesh, rows: int, T: int, kl: bool) -> dict:
     """The arrays of one micro-batch as the update receives them (ShapeDtypeStructs with
     their shardings): what the update is compiled for, before any step has run."""
-    keys = {k: ((rows, T), np.int32) for k in ("tokens", "positions", "segment_ids", "targets")}
+    ints = ("tokens", "positions", "segment_ids", "targets") + (
+        ("prefix_ids",) if s_rl.shared_prompt != "off" else ())
+    keys = {k: ((rows, T), np.int32) for k in ints}
     keys.update({k: ((rows, T), np.float32) for k in ("loss_mask", "advantages")})
     if s_rl.old_logp != "none":
         keys["old_logp"] = ((rows, T), np.float32)
@@ -475,6 +507,8 @@ def step(s: Setup, state, it, step_index: int):
               "pack/micro_batches": sum(len(b.micro) for b in batches),
               "pack/tokens": tokens, "pack/fill": tokens / max(slots, 1),
               "pack/truncated": truncated,
+              # samples whose group's prompt their rows hold once (rl.shared_prompt)
+              "pack/shared_frac": sum(b.shared for b in batches) / max(len(lengths), 1),
               # programs compiled in this step (0 once the run's shapes are all known)
               "compiles/step": sum(compiles.since(before).values()),
               "compiles/total": compiles.total()})

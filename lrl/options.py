@@ -28,6 +28,7 @@ SOURCES = {"text": ("synthetic", "jsonl", "parquet"), "video": ("synthetic", "js
 TEXT_TASKS = ("arithmetic", "kv_retrieval")
 VIDEO_TASKS = ("direction", "count")
 OVERLONG = ("none", "mask", "penalty")
+SHARED_PROMPT = ("off", "on", "auto")   # lrl.data.shared_prompt.MODES (no jax imported here)
 
 
 def _opt(*, ge=None, gt=None, lt=None, le=None, choices=None):
@@ -243,6 +244,7 @@ class RLOptions:
     overlong_buffer: int = _opt(ge=0)
     overlong_penalty: float = _opt(ge=0)
     mismatch_fraction: float = _opt(ge=0, le=1)   # 0 = no mismatch metrics
+    shared_prompt: str = _opt(choices=SHARED_PROMPT)
     loss: LossOptions = None
 
     @property

@@ -48,6 +48,7 @@ def test_config_builds_and_documents_its_command(path):
     ("eval.k", 0, "eval.k=0"),
     ("checkpoint.keep", 0, "checkpoint.keep=0"),
     ("rl.overlong", "clip", "rl.overlong='clip'"),
+    ("rl.shared_prompt", "yes", r"rl.shared_prompt='yes'; choose one of \('off', 'on', 'auto'\)"),
     ("model.dtype", "fp8", "model.dtype='fp8'"),
     ("model.param_shard_axes", "fsdp,tensor", "model.param_shard_axes='fsdp,tensor'"),
 ])

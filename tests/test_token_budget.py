@@ -59,9 +59,9 @@ def test_host_micro_batches_equal_one_batch(aggregation, sizes, attention):
     ref_params = jax.tree.map(np.asarray, ref_state.params)
     u = upd.make_update_programs(cfg, loss, tx, mesh)
     counts = set()
-    for rows_per_shard in (1, 2, 5):
+    for rows_per_shard in (1, 2, 3):   # three different cuts into micro-batches
         micro = packing.micro_batches(rows, shards, rows_per_shard)
-        counts.add(len(micro))
+        counts.add(tuple(mb["tokens"].shape[0] for mb in micro))
         denoms = upd.host_denominators(micro, loss.max_len)
         got_state, got = upd.run_update(u, jax.tree.map(jnp.copy, state),
                                         [mesh_lib.put_batch(mesh, mb) for mb in micro], denoms)
@@ -90,6 +90,19 @@ def test_two_micro_batch_shapes_compile_once_for_any_count():
     assert shapes == {(2, 64), (1, 64)}
     assert u.programs.accumulate._cache_size() == 2     # one program per shape
     assert u.programs.start._cache_size() <= 2 and u.programs.apply._cache_size() == 1
+
+
+def test_no_empty_micro_batch_of_one_row_micro_batches():
+    """8 rows of one shard in micro-batches of one row: 8 of them, none empty (an empty one
+    would still cost a forward and backward). Of K > 1 rows: a one-row micro-batch ends the
+    minibatch always (empty when the rows divide by K), so both shapes compile at once."""
+    seg = np.ones((8, 16), np.int32)
+    rows = {"tokens": np.arange(8 * 16, dtype=np.int32).reshape(8, 16), "segment_ids": seg}
+    for k, want in ((1, [1] * 8), (2, [2] * 4 + [1]), (4, [4, 4, 1]), (3, [3, 3, 1, 1])):
+        micro = packing.micro_batches(rows, 1, k)
+        assert [mb["tokens"].shape[0] for mb in micro] == want, k
+        assert sum(int((mb["segment_ids"] > 0).sum()) for mb in micro) == 8 * 16
+        assert all((mb["segment_ids"] > 0).any() for mb in micro) == (k in (1, 3))
 
 
 def test_best_fit_fills_rows_balances_shards_and_bounds_segments():

@@ -68,18 +68,26 @@ def first_fit(lengths: Sequence[int], row_len: int, *, decreasing: bool = True,
     return row, start
 
 
-def best_fit(lengths: Sequence[int], row_len: int, *,
-             max_segments: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def best_fit(lengths: Sequence[int], row_len: int, *, max_segments: int | None = None,
+             segments: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Best-fit decreasing: longest sequence first, each into the open row whose room it
-    fills most (a new row when none has room, or when the rows with room hold
-    `max_segments` sequences already). Returns (row, start) per sequence, in input order;
-    ties keep input order, so the placement is deterministic."""
+    fills most (a new row when none has room, or when the rows with room would hold more
+    than `max_segments` segments with it). A sequence is one segment unless `segments` says
+    how many it brings (a shared-prompt group: its prefix and its responses). Returns
+    (row, start) per sequence, in input order; ties keep input order, so the placement is
+    deterministic."""
     lengths = np.asarray(lengths, np.int64)
+    weight = (np.ones(lengths.size, np.int64) if segments is None
+              else np.asarray(segments, np.int64))
+    if weight.shape != lengths.shape:
+        raise ValueError(f"best_fit: {weight.size} segment counts for {lengths.size} sequences")
     if lengths.size and lengths.max() > row_len:
         i = int(np.argmax(lengths))
         raise ValueError(f"best_fit: sequence {i} has {lengths[i]} tokens > row_len {row_len}")
-    if max_segments is not None and max_segments < 1:
-        raise ValueError(f"best_fit: max_segments={max_segments} must be >= 1")
+    if max_segments is not None and (max_segments < 1 or (weight.size and
+                                                          weight.max() > max_segments)):
+        raise ValueError(f"best_fit: max_segments={max_segments} must be >= 1 and at least "
+                         f"the segments of any one sequence ({weight.max(initial=1)})")
     order = np.argsort(-lengths, kind="stable")
     row = np.full(lengths.size, -1, np.int64)
     start = np.full(lengths.size, -1, np.int64)
@@ -89,7 +97,7 @@ def best_fit(lengths: Sequence[int], row_len: int, *,
         room = row_len - used - lengths[i]
         ok = room >= 0
         if max_segments is not None:
-            ok &= count < max_segments
+            ok &= count + weight[i] <= max_segments
         if ok.any():
             r = int(np.flatnonzero(ok)[np.argmin(room[ok])])
         else:
@@ -97,7 +105,7 @@ def best_fit(lengths: Sequence[int], row_len: int, *,
             used, count = np.append(used, 0), np.append(count, 0)
         row[i], start[i] = r, used[r]
         used[r] += lengths[i]
-        count[r] += 1
+        count[r] += weight[i]
     return row, start
 
 
@@ -144,7 +152,13 @@ def micro_batches(batch: Mapping[str, np.ndarray], num_shards: int, rows_per_sha
                                                  max(len(p) for p in per_shard))
     K = int(rows_per_shard)
     full = fewest // K                                  # micro-batches of K rows a shard
-    sizes = [K] * full + [1] * max(1, most - full * K)
+    sizes = [K] * full + [1] * (most - full * K)
+    # With K > 1 a minibatch always ends in a one-row micro-batch (empty when the K-row ones
+    # took every row), so the run's second shape compiles in its first step, not some later
+    # one. With K = 1 there is one shape, and an empty micro-batch would only cost a row's
+    # forward and backward. One micro-batch even of no rows.
+    if not sizes or (K > 1 and most == full * K):
+        sizes.append(1)
     out, at = [], 0
     for k in sizes:
         pick = np.full(num_shards * k, -1, np.int64)
@@ -170,24 +184,12 @@ def _as_ids(x: Any, what: str) -> np.ndarray:
     return a.astype(np.int32)
 
 
-def pack(prompts: Sequence[Any], completions: Sequence[Any], row_len: int, *,
-         seq_values: Mapping[str, Sequence[float]] | None = None,
-         token_values: Mapping[str, Sequence[Any]] | None = None,
-         rows_multiple: int = 1, min_rows: int = 0, truncate: bool = False,
-         decreasing: bool = True, fit: str = "first",
-         max_segments: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Packs ``prompts[i] + completions[i]`` into rows of `row_len` tokens.
-
-    `seq_values[key][i]` is broadcast over sequence i; `token_values[key][i]` has one value per
-    completion token of sequence i. A sequence longer than `row_len` is an error, or with
-    `truncate` its completion (and its token values) is cut to fit, and counted. The number of
-    rows is at least `min_rows`, rounded up to a multiple of `rows_multiple`.
-
-    Returns (batch, layout): batch as in the module docstring; layout holds per-sequence
-    ``row``, ``start``, ``prompt_len``, ``completion_len`` (after truncation), the counters
-    ``num_truncated`` and ``truncated_tokens``, and the value keys, for `unpack`.
-    """
-    seq_values, token_values = dict(seq_values or {}), dict(token_values or {})
+def checked_sequences(prompts, completions, row_len: int, seq_values: Mapping,
+                      token_values: Mapping, *, rows_multiple: int = 1, min_rows: int = 0,
+                      truncate: bool = False, reserved: Sequence[str] = ()):
+    """`pack`'s inputs checked and, with `truncate`, completions (and their token values) cut
+    so that prompt + completion fits `row_len` -> (prompt ids, completion ids, token values,
+    sequences truncated, tokens truncated). `reserved`: output keys beyond BASE_KEYS."""
     n = len(prompts)
     if len(completions) != n:
         raise ValueError(f"pack: {n} prompts but {len(completions)} completions")
@@ -195,7 +197,7 @@ def pack(prompts: Sequence[Any], completions: Sequence[Any], row_len: int, *,
         raise ValueError(f"pack: need row_len >= 2 (got {row_len}), rows_multiple >= 1 "
                          f"(got {rows_multiple}), min_rows >= 0 (got {min_rows})")
     for key in list(seq_values) + list(token_values):
-        if key in BASE_KEYS or (key in seq_values and key in token_values):
+        if key in BASE_KEYS + tuple(reserved) or (key in seq_values and key in token_values):
             raise ValueError(f"pack: value key {key!r} clashes with another output key")
     for key, vals in {**seq_values, **token_values}.items():
         if len(vals) != n:
@@ -228,6 +230,31 @@ def pack(prompts: Sequence[Any], completions: Sequence[Any], row_len: int, *,
             c_ids[i] = c_ids[i][:keep]
             for vs in tok_vals.values():
                 vs[i] = vs[i][:keep]
+    return p_ids, c_ids, tok_vals, num_truncated, truncated_tokens
+
+
+def pack(prompts: Sequence[Any], completions: Sequence[Any], row_len: int, *,
+         seq_values: Mapping[str, Sequence[float]] | None = None,
+         token_values: Mapping[str, Sequence[Any]] | None = None,
+         rows_multiple: int = 1, min_rows: int = 0, truncate: bool = False,
+         decreasing: bool = True, fit: str = "first",
+         max_segments: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Packs ``prompts[i] + completions[i]`` into rows of `row_len` tokens.
+
+    `seq_values[key][i]` is broadcast over sequence i; `token_values[key][i]` has one value per
+    completion token of sequence i. A sequence longer than `row_len` is an error, or with
+    `truncate` its completion (and its token values) is cut to fit, and counted. The number of
+    rows is at least `min_rows`, rounded up to a multiple of `rows_multiple`.
+
+    Returns (batch, layout): batch as in the module docstring; layout holds per-sequence
+    ``row``, ``start``, ``prompt_len``, ``completion_len`` (after truncation), the counters
+    ``num_truncated`` and ``truncated_tokens``, and the value keys, for `unpack`.
+    """
+    seq_values, token_values = dict(seq_values or {}), dict(token_values or {})
+    n = len(prompts)
+    p_ids, c_ids, tok_vals, num_truncated, truncated_tokens = checked_sequences(
+        prompts, completions, row_len, seq_values, token_values, rows_multiple=rows_multiple,
+        min_rows=min_rows, truncate=truncate)
 
     p_len = np.array([len(x) for x in p_ids], np.int64)
     c_len = np.array([len(x) for x in c_ids], np.int64)
@@ -265,6 +292,7 @@ def pack(prompts: Sequence[Any], completions: Sequence[Any], row_len: int, *,
             batch[key][r, comp] = vs[i]
 
     layout = {"row": row, "start": start, "prompt_len": p_len, "completion_len": c_len,
+              "loss_start": start + p_len - 1, "prefix_start": np.full(n, -1, np.int64),
               "num_truncated": num_truncated, "truncated_tokens": truncated_tokens,
               "seq_keys": tuple(seq_values), "token_keys": tuple(tok_vals)}
     return batch, layout
@@ -272,23 +300,27 @@ def pack(prompts: Sequence[Any], completions: Sequence[Any], row_len: int, *,
 
 def completion_values(x_BT: np.ndarray, layout: Mapping[str, Any]) -> list[np.ndarray]:
     """Per-sequence values of `x_BT` at the positions whose targets are completion tokens
-    (e.g. log-probs computed on a packed batch), in the input order of `pack`."""
+    (e.g. log-probs computed on a packed batch), in the input order of `pack` (or of
+    `lrl.data.shared_prompt.pack_groups`: the layout's ``loss_start`` says where)."""
     x_BT = np.asarray(x_BT)
-    out = []
-    for r, s, p, c in zip(layout["row"], layout["start"], layout["prompt_len"],
-                          layout["completion_len"]):
-        out.append(x_BT[r, s + p - 1:s + p - 1 + c])
-    return out
+    return [x_BT[r, a:a + c] for r, a, c in zip(layout["row"], layout["loss_start"],
+                                                 layout["completion_len"])]
 
 
 def unpack(batch: Mapping[str, np.ndarray], layout: Mapping[str, Any]) -> dict[str, list]:
-    """Inverts `pack`: per sequence, its prompt ids, completion ids, seq values (a float) and
-    token values (one per completion token), each as a list in the input order of `pack`."""
+    """Inverts `pack` (and `pack_groups`): per sequence, its prompt ids, completion ids, seq
+    values (a float) and token values (one per completion token), each as a list in the
+    input order. A shared prompt is its prefix followed by the token that opens the
+    sequence's own segment."""
     out: dict[str, list] = {"prompts": [], "completions": []}
-    for r, s, p, c in zip(layout["row"], layout["start"], layout["prompt_len"],
-                          layout["completion_len"]):
-        out["prompts"].append(batch["tokens"][r, s:s + p])
-        out["completions"].append(batch["tokens"][r, s + p:s + p + c])
+    tokens = batch["tokens"]
+    for r, s, a, ps, p, c in zip(layout["row"], layout["start"], layout["loss_start"],
+                                 layout["prefix_start"], layout["prompt_len"],
+                                 layout["completion_len"]):
+        head = tokens[r, s:a + 1] if ps < 0 else np.concatenate(
+            [tokens[r, ps:ps + p - 1], tokens[r, a:a + 1]])
+        out["prompts"].append(head)
+        out["completions"].append(tokens[r, a + 1:a + 1 + c])
     for key in layout["seq_keys"]:
         out[key] = [float(batch[key][r, s]) for r, s in zip(layout["row"], layout["start"])]
     for key in layout["token_keys"]:

@@ -3,7 +3,9 @@
 `cfg.attention` picks the path: "dense" (the whole sequence on each device: the XLA
 reference, or cuDNN flash attention on GPU), "ring" (ring attention over the mesh's `seq`
 axis) and "ulysses" (all-to-all between sequence and heads). Masking is causal by token index
-within a segment: packed rows never attend across segments.
+within a segment: packed rows never attend across segments, except that in the shared-prompt
+layout (`prefix_ids`, `lrl.data.shared_prompt`) a response also sees its group's prompt
+prefix (`lrl.models.shared_attention`, on every path).
 
 B batch rows · T query positions · S key/value positions · N query heads · K key/value heads ·
 H head dim · Q query heads per kv head.
@@ -57,22 +59,32 @@ def dense_attention(cfg: ModelConfig, q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
     raise ValueError(f"attention_impl={impl!r}; choose 'xla' or 'cudnn'")
 
 
-def attend(cfg: ModelConfig, mesh, q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
+def attend(cfg: ModelConfig, mesh, q_BTNH, k_BSKH, v_BSKH, segment_ids_BT,
+           prefix_ids_BT=None):
     """Dispatches on cfg.attention. Ring inputs arrive in the ring's token layout (the decoder
-    permutes them); the others in natural order."""
+    permutes them); the others in natural order. `prefix_ids_BT`: the shared-prompt layout's
+    (None: none shared)."""
     seq_sharded = mesh is not None and mesh.shape["seq"] > 1
+    if prefix_ids_BT is not None and segment_ids_BT is None:
+        raise ValueError("attention: prefix_ids (a shared prompt) need segment ids")
+    shared = {} if prefix_ids_BT is None else {"prefix_ids_BT": prefix_ids_BT}
     if cfg.attention == "dense" or not seq_sharded:
         if cfg.attention == "ring" and mesh is not None:
             from lrl.models import ring  # one-shard ring: same kernel, no hops
             return ring.ring_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, mesh=mesh,
-                                       implementation=cfg.attention_impl)
+                                       implementation=cfg.attention_impl, **shared)
+        if shared:
+            from lrl.models import shared_attention
+            return shared_attention.shared_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT,
+                                                     prefix_ids_BT,
+                                                     implementation=cfg.attention_impl)
         return dense_attention(cfg, q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
     if cfg.attention == "ring":
         from lrl.models import ring
         return ring.ring_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, mesh=mesh,
-                                   implementation=cfg.attention_impl)
+                                   implementation=cfg.attention_impl, **shared)
     if cfg.attention == "ulysses":
         from lrl.models import ulysses
         return ulysses.ulysses_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, mesh=mesh,
-                                         implementation=cfg.attention_impl)
+                                         implementation=cfg.attention_impl, **shared)
     raise ValueError(f"attention={cfg.attention!r}")

@@ -72,9 +72,9 @@ class Block(nn.Module):
         h = self.post_attn_norm(x)
         return x + self.down_proj(nn.silu(self.gate_proj(h)) * self.up_proj(h))
 
-    def __call__(self, x_BTD, positions_BT, segment_ids_BT):
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, prefix_ids_BT=None):
         q, k, v = self.qkv(x_BTD, positions_BT)
-        attn = attend(self.cfg, self.mesh, q, k, v, segment_ids_BT)
+        attn = attend(self.cfg, self.mesh, q, k, v, segment_ids_BT, prefix_ids_BT)
         return constrain(self.finish(x_BTD, attn), self.mesh), None
 
 
@@ -92,7 +92,7 @@ class Decoder(nn.Module):
         if c.scan_layers:
             self.layers = nn.scan(block, variable_axes={"params": 0},
                                   split_rngs={"params": True},
-                                  in_axes=(nn.broadcast, nn.broadcast),
+                                  in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                                   length=c.n_layers)(c, self.mesh)
         else:
             self.blocks = [block(c, self.mesh) for _ in range(c.n_layers)]
@@ -100,13 +100,20 @@ class Decoder(nn.Module):
         if not c.tie_embeddings:
             self.lm_head = self.param("lm_head", _init, (c.d_model, c.vocab_size), c.param_dtype)
 
-    def hidden(self, tokens_BT, positions_BT, segment_ids_BT):
+    def hidden(self, tokens_BT, positions_BT, segment_ids_BT, prefix_ids_BT=None):
+        """`prefix_ids_BT`: the shared-prompt layout's (`lrl.data.shared_prompt`), or None."""
         x = constrain(self.embed(tokens_BT), self.mesh)
+        return self.layers_and_norm(x, positions_BT, segment_ids_BT, prefix_ids_BT)
+
+    def layers_and_norm(self, x_BTD, positions_BT, segment_ids_BT, prefix_ids_BT=None):
+        """The decoder layers and the final norm on input embeddings (the VL decoder's
+        entry: it splices visual rows into the embeddings first)."""
+        x = x_BTD
         if self.cfg.scan_layers:
-            x, _ = self.layers(x, positions_BT, segment_ids_BT)
+            x, _ = self.layers(x, positions_BT, segment_ids_BT, prefix_ids_BT)
         else:
             for blk in self.blocks:
-                x, _ = blk(x, positions_BT, segment_ids_BT)
+                x, _ = blk(x, positions_BT, segment_ids_BT, prefix_ids_BT)
         return self.final_norm(x)
 
     def unembedding(self):

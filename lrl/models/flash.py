@@ -1,6 +1,7 @@
 """One block of attention that also yields its log-sum-exp: the kernel under ring attention.
 
-Three entries:
+Four entries:
+- `merge`: two blocks' (o, lse) into one, by their log-sum-exp.
 - `attention_with_lse`: any mask of the form "same segment AND kv_index <= q_index" given by
   arrays (global token indices, so a causal mask works for any pair of blocks). XLA only.
 - `block_attention` / `block_attention_bwd`: the ring's per-block forward and backward, with
@@ -264,6 +265,16 @@ def _pick(implementation, q, k, *, need_bwd, where, xla_only=False):
 
 
 # ----------------------------------------------------------------------------- ring entries
+
+def merge(o_a, lse_a, o_b, lse_b):
+    """Online-softmax merge of two partial attentions over disjoint keys (o [B,T,N,H] f32,
+    lse [B,N,T]); rows unseen by both stay (0, -inf)."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+    ref = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    w_a = jnp.moveaxis(jnp.exp(lse_a - ref), 1, 2)[..., None]   # [B, T, N, 1]
+    w_b = jnp.moveaxis(jnp.exp(lse_b - ref), 1, 2)[..., None]
+    return o_a * w_a + o_b * w_b, lse
+
 
 def _shared_tail(q_seg, kv_seg):
     """For a block whose keys all precede its queries, with segments that are contiguous

@@ -61,11 +61,14 @@ def check_mesh_inputs(params, arrays: dict, mesh) -> None:
 
 
 def hidden_states(cfg: ModelConfig, params, tokens_BT, positions_BT=None,
-                  segment_ids_BT=None, mesh=None):
-    """Final-normalised hidden states [B, T, D] in the compute dtype."""
+                  segment_ids_BT=None, mesh=None, prefix_ids_BT=None):
+    """Final-normalised hidden states [B, T, D] in the compute dtype. `prefix_ids_BT`: rows in
+    the shared-prompt layout (`lrl.data.shared_prompt`), with their segment ids."""
+    if prefix_ids_BT is not None and segment_ids_BT is None:
+        raise ValueError("hidden_states: prefix_ids_BT (a shared prompt) needs segment_ids_BT")
     if mesh is not None:
         given = dict(tokens_BT=tokens_BT, positions_BT=positions_BT,
-                     segment_ids_BT=segment_ids_BT)
+                     segment_ids_BT=segment_ids_BT, prefix_ids_BT=prefix_ids_BT)
         check_mesh_inputs(params, {k: v for k, v in given.items() if v is not None}, mesh)
     tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
     if positions_BT is None:
@@ -77,8 +80,10 @@ def hidden_states(cfg: ModelConfig, params, tokens_BT, positions_BT=None,
         tokens_BT, positions_BT = (jnp.take(a, perm, axis=1) for a in (tokens_BT, positions_BT))
         if segment_ids_BT is not None:
             segment_ids_BT = jnp.take(segment_ids_BT, perm, axis=1)
+        if prefix_ids_BT is not None:
+            prefix_ids_BT = jnp.take(prefix_ids_BT, perm, axis=1)
     x = Decoder(cfg, mesh).apply({"params": params}, tokens_BT, positions_BT, segment_ids_BT,
-                                 method=Decoder.hidden)
+                                 prefix_ids_BT, method=Decoder.hidden)
     if layout is not None:
         x = jnp.take(x, layout[1], axis=1)
     return x
@@ -88,10 +93,15 @@ def batch_hidden_states(cfg: ModelConfig, params, batch, extra=None, mesh=None,
                         packed: bool = True):
     """`hidden_states` of a packed update batch (`lrl.rl.update`'s `hidden`): tokens,
     positions and, when `packed`, segment ids (unpacked rows are one sequence each, so
-    attention needs no segment mask). The text decoder reads nothing from `extra`."""
+    attention needs no segment mask) and, when the batch has them, the shared-prompt
+    layout's prefix ids. The text decoder reads nothing from `extra`."""
     del extra
+    prefix = batch.get("prefix_ids")
+    if prefix is not None and not packed:
+        raise ValueError("update: a shared-prompt batch (prefix_ids) is packed; packed=False "
+                         "means one sequence a row")
     return hidden_states(cfg, params, batch["tokens"], batch["positions"],
-                         batch["segment_ids"] if packed else None, mesh)
+                         batch["segment_ids"] if packed else None, mesh, prefix)
 
 
 def unembedding(cfg: ModelConfig, params):

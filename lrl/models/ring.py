@@ -109,33 +109,51 @@ class _Ring:
     q_chunk: int
     kv_chunk: int
 
+    # A block's masks are a tuple of id arrays for its queries and one for its keys: the
+    # segment ids, and with a shared prompt the response x prefix ids of
+    # `shared_attention.prefix_masks`. Each pair is one kernel call; their results merge.
+    # The prefix pair runs on XLA: cuDNN's "full" block assumes the keys' last segment is the
+    # only one shared with the queries, which holds for segments, not for prefixes.
+
+    def _impl(self, pair: int):
+        return self.implementation if pair == 0 else "xla"
+
     def block(self, q, kv, qseg, kseg, kind):
-        return flash.block_attention(
-            q, kv[0], kv[1], mask_kind=kind, q_segment_ids=qseg, kv_segment_ids=kseg,
-            scale=self.scale, implementation=self.implementation, out_dtype=jnp.float32,
-            q_chunk=self.q_chunk, kv_chunk=self.kv_chunk)
+        out = None
+        for i, (qs, ks) in enumerate(zip(qseg, kseg)):
+            blk = flash.block_attention(
+                q, kv[0], kv[1], mask_kind=kind, q_segment_ids=qs, kv_segment_ids=ks,
+                scale=self.scale, implementation=self._impl(i), out_dtype=jnp.float32,
+                q_chunk=self.q_chunk, kv_chunk=self.kv_chunk)
+            out = blk if out is None else _merge(*out, *blk)
+        return out
 
     def block_bwd(self, q, kv, o, lse, do, qseg, kseg, kind):
-        return flash.block_attention_bwd(
-            q, kv[0], kv[1], o, lse, do, mask_kind=kind, q_segment_ids=qseg,
-            kv_segment_ids=kseg, scale=self.scale, implementation=self.implementation,
-            q_chunk=self.q_chunk, kv_chunk=self.kv_chunk)
+        out = None
+        for i, (qs, ks) in enumerate(zip(qseg, kseg)):
+            g = flash.block_attention_bwd(
+                q, kv[0], kv[1], o, lse, do, mask_kind=kind, q_segment_ids=qs,
+                kv_segment_ids=ks, scale=self.scale, implementation=self._impl(i),
+                q_chunk=self.q_chunk, kv_chunk=self.kv_chunk)
+            out = g if out is None else tuple(a + b for a, b in zip(out, g))
+        return out
 
     def send(self, x):
         return lax.ppermute(x, self.axis, [(j, (j + 1) % self.n) for j in range(self.n)])
 
 
-def _merge(o_acc, lse_acc, o_blk, lse_blk):
-    """Online-softmax merge of two partial attentions; rows unseen by both stay (0, -inf)."""
-    lse = jnp.logaddexp(lse_acc, lse_blk)
-    ref = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    w_acc = jnp.moveaxis(jnp.exp(lse_acc - ref), 1, 2)[..., None]   # [B, T, N, 1]
-    w_blk = jnp.moveaxis(jnp.exp(lse_blk - ref), 1, 2)[..., None]
-    return o_acc * w_acc + o_blk * w_blk, lse
+_merge = flash.merge
 
 
 def _seg_of(seg_all, src):
-    return None if seg_all is None else lax.dynamic_index_in_dim(seg_all, src, 0, keepdims=False)
+    """The masks of shard `src`'s keys, from every shard's gathered ones."""
+    return tuple(None if x is None else lax.dynamic_index_in_dim(x, src, 0, keepdims=False)
+                 for x in seg_all)
+
+
+def _cols(segs, window):
+    """Masks restricted to a window of positions."""
+    return tuple(None if x is None else x[:, window] for x in segs)
 
 
 def _fwd_off_diagonal(cfg, q, kv, seg, seg_all, acc, idx, src):
@@ -148,12 +166,12 @@ def _fwd_off_diagonal(cfg, q, kv, seg, seg_all, acc, idx, src):
     c = q.shape[1] // 2
 
     def earlier(acc):  # all local queries see the block's first chunk
-        ks = None if kseg is None else kseg[:, :c]
+        ks = _cols(kseg, slice(0, c))
         return _merge(*acc, *cfg.block(q, kv[:, :, :c], seg, ks, "full"))
 
     def later(acc):    # the second local chunk sees all of the block
         o, lse = acc
-        qs = None if seg is None else seg[:, c:]
+        qs = _cols(seg, slice(c, None))
         o2, lse2 = _merge(o[:, c:], lse[:, :, c:], *cfg.block(q[:, c:], kv, qs, kseg, "full"))
         return (lax.dynamic_update_slice_in_dim(o, o2, c, 1),
                 lax.dynamic_update_slice_in_dim(lse, lse2, c, 2))
@@ -177,8 +195,7 @@ def _bwd_off_diagonal(cfg, q, kv, o, lse, do, seg, seg_all, dq, dkv, idx, src):
     kseg = _seg_of(seg_all, src)
 
     def grads(qsl, ksl, acc_dq, acc_dkv):
-        qs = None if seg is None else seg[:, qsl]
-        ks = None if kseg is None else kseg[:, ksl]
+        qs, ks = _cols(seg, qsl), _cols(kseg, ksl)
         dq_b, dk_b, dv_b = cfg.block_bwd(q[:, qsl], kv[:, :, ksl], o[:, qsl], lse[:, :, qsl],
                                          do[:, qsl], qs, ks, "full")
         return (_add_window(acc_dq, dq_b, qsl, 1),
@@ -192,8 +209,19 @@ def _bwd_off_diagonal(cfg, q, kv, o, lse, do, seg, seg_all, dq, dkv, idx, src):
                     lambda a: grads(slice(c, None), every, *a), (dq, dkv))
 
 
-def _gather_segments(cfg, seg):
-    return None if seg is None else lax.all_gather(seg, cfg.axis)   # [n, B, S]
+def _gather_segments(cfg, kseg):
+    return tuple(None if x is None else lax.all_gather(x, cfg.axis) for x in kseg)  # [n, B, S]
+
+
+def _masks(seg, prefix):
+    """(query masks, key masks) of the local shard: the segment ids (the same array on both
+    sides, which is what lets cuDNN's packed layout run the diagonal block) and, with a
+    shared prompt, the response x prefix ids."""
+    if prefix is None:
+        return (seg,), (seg,)
+    from lrl.models.shared_attention import prefix_masks
+    q_pre, kv_pre = prefix_masks(seg, prefix)
+    return (seg, q_pre), (seg, kv_pre)
 
 
 def _hops(hop, carry, n):
@@ -205,14 +233,15 @@ def _hops(hop, carry, n):
     return carry
 
 
-def _ring_forward(cfg, q, k, v, seg):
+def _ring_forward(cfg, q, k, v, seg, prefix):
     idx = lax.axis_index(cfg.axis)
-    seg_all = _gather_segments(cfg, seg)
+    seg, kseg = _masks(seg, prefix)
     if cfg.n == 1:  # no hops: nothing to stack or send
-        return cfg.block(q, (k, v), seg, seg, "causal")
+        return cfg.block(q, (k, v), seg, kseg, "causal")
+    seg_all = _gather_segments(cfg, kseg)
     kv = jnp.stack([k, v])                                 # [2, B, S, K, H]: one buffer per hop
     kv_next = cfg.send(kv)                                 # in flight during the diagonal
-    acc = cfg.block(q, kv, seg, seg, "causal")
+    acc = cfg.block(q, kv, seg, kseg, "causal")
 
     def hop(carry, s):
         kv_cur, acc = carry
@@ -224,14 +253,15 @@ def _ring_forward(cfg, q, k, v, seg):
     return _fwd_off_diagonal(cfg, q, kv_last, seg, seg_all, acc, idx, (idx - cfg.n + 1) % cfg.n)
 
 
-def _ring_backward(cfg, q, k, v, seg, o, lse, do):
+def _ring_backward(cfg, q, k, v, seg, prefix, o, lse, do):
     idx = lax.axis_index(cfg.axis)
-    seg_all = _gather_segments(cfg, seg)
+    seg, kseg = _masks(seg, prefix)
     if cfg.n == 1:
-        return cfg.block_bwd(q, (k, v), o, lse, do, seg, seg, "causal")
+        return cfg.block_bwd(q, (k, v), o, lse, do, seg, kseg, "causal")
+    seg_all = _gather_segments(cfg, kseg)
     kv = jnp.stack([k, v])
     kv_next = cfg.send(kv)
-    dq, dk, dv = cfg.block_bwd(q, kv, o, lse, do, seg, seg, "causal")
+    dq, dk, dv = cfg.block_bwd(q, kv, o, lse, do, seg, kseg, "causal")
     dkv_next = cfg.send(jnp.stack([dk, dv]))               # travels with its block
 
     def hop(carry, s):
@@ -250,22 +280,22 @@ def _ring_backward(cfg, q, k, v, seg, o, lse, do):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_local(cfg, q, k, v, seg):
-    o, _ = _ring_forward(cfg, q, k, v, seg)
+def _ring_local(cfg, q, k, v, seg, prefix):
+    o, _ = _ring_forward(cfg, q, k, v, seg, prefix)
     return o.astype(q.dtype)
 
 
-def _ring_local_fwd(cfg, q, k, v, seg):
-    o, lse = _ring_forward(cfg, q, k, v, seg)
+def _ring_local_fwd(cfg, q, k, v, seg, prefix):
+    o, lse = _ring_forward(cfg, q, k, v, seg, prefix)
     o = checkpoint_name(o.astype(q.dtype), "attn_out")
     lse = checkpoint_name(lse, "attn_lse")  # a kept pair spares the backward a whole ring
-    return o, (q, k, v, seg, o, lse)
+    return o, (q, k, v, seg, prefix, o, lse)
 
 
 def _ring_local_bwd(cfg, res, do):
-    q, k, v, seg, o, lse = res
-    dq, dk, dv = _ring_backward(cfg, q, k, v, seg, o, lse, do)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    q, k, v, seg, prefix, o, lse = res
+    dq, dk, dv = _ring_backward(cfg, q, k, v, seg, prefix, o, lse, do)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 _ring_local.defvjp(_ring_local_fwd, _ring_local_bwd)
@@ -273,30 +303,42 @@ _ring_local.defvjp(_ring_local_fwd, _ring_local_bwd)
 
 def ring_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, mesh, seq_axis="seq",
                    layout="zigzag", scale=None, implementation=None, q_chunk=512,
-                   kv_chunk=512):
+                   kv_chunk=512, prefix_ids_BT=None):
     """Causal (packed) attention with T sharded over `seq_axis` -> o_BTNH.
 
     Inputs and output are global arrays whose token order is already the layout's
     (`x[:, zigzag_permutation(T, n)]` for "zigzag"); segment_ids_BT may be None (one segment
-    per row). `implementation`: None (cuDNN blocks on GPU when possible, else XLA), "xla"
-    or "cudnn"; q_chunk / kv_chunk size the XLA kernel's tiles.
+    per row). `prefix_ids_BT` (with segment ids): the shared-prompt layout of
+    `lrl.data.shared_prompt`, in the same token order; a response then also sees its
+    prompt prefix, which may lie on other shards (every prefix key precedes its responses,
+    so the ring's causal skipping of blocks still holds). `implementation`: None (cuDNN
+    blocks on GPU when possible, else XLA), "xla" or "cudnn" (the response x prefix blocks
+    run on XLA whatever is chosen); q_chunk / kv_chunk size the XLA kernel's tiles.
     """
     flash._check_qkv(q_BTNH, k_BSKH, v_BSKH)
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     if k_BSKH.shape[1] != T:
         raise ValueError(f"ring_attention: q has T={T} positions, k has {k_BSKH.shape[1]}")
-    if segment_ids_BT is not None and segment_ids_BT.shape != (B, T):
-        raise ValueError(f"ring_attention: segment_ids {segment_ids_BT.shape} != {(B, T)}")
+    for name, x in (("segment_ids", segment_ids_BT), ("prefix_ids", prefix_ids_BT)):
+        if x is not None and x.shape != (B, T):
+            raise ValueError(f"ring_attention: {name} {x.shape} != {(B, T)}")
+    if prefix_ids_BT is not None and segment_ids_BT is None:
+        raise ValueError("ring_attention: prefix_ids need the segment ids they refer to")
     n = mesh.shape[seq_axis] if seq_axis in mesh.axis_names else 0
     layout_permutation(T, max(n, 1), layout)  # validates layout and divisibility
     qspec, segspec = attention_specs(mesh, B, N, K, seq_axis)
     cfg = _Ring(seq_axis, n, layout, float(H ** -0.5 if scale is None else scale),
                 implementation, int(q_chunk), int(kv_chunk))
     if segment_ids_BT is None:
-        fn = shard_map(lambda q, k, v: _ring_local(cfg, q, k, v, None), mesh=mesh,
+        fn = shard_map(lambda q, k, v: _ring_local(cfg, q, k, v, None, None), mesh=mesh,
                        in_specs=(qspec, qspec, qspec), out_specs=qspec)
         return fn(q_BTNH, k_BSKH, v_BSKH)
+    if prefix_ids_BT is None:
+        fn = shard_map(lambda q, k, v, seg: _ring_local(cfg, q, k, v, seg, None), mesh=mesh,
+                       in_specs=(qspec, qspec, qspec, segspec), out_specs=qspec)
+        return fn(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT.astype(jnp.int32))
     fn = shard_map(functools.partial(_ring_local, cfg), mesh=mesh,
-                   in_specs=(qspec, qspec, qspec, segspec), out_specs=qspec)
-    return fn(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT.astype(jnp.int32))
+                   in_specs=(qspec, qspec, qspec, segspec, segspec), out_specs=qspec)
+    return fn(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT.astype(jnp.int32),
+              prefix_ids_BT.astype(jnp.int32))

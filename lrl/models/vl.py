@@ -215,19 +215,14 @@ def batch_shardings(mesh, batch) -> dict:
     return out
 
 
-def _decoder_layers(cfg: ModelConfig, text_params, x_BTD, positions, segment_ids_BT, mesh):
+def _decoder_layers(cfg: ModelConfig, text_params, x_BTD, positions, segment_ids_BT, mesh,
+                    prefix_ids_BT=None):
     """lrl's decoder layers and final norm on embeddings already in the attention's layout."""
-    def run(module, x, pos, seg):
-        x = constrain(x, mesh)
-        if cfg.scan_layers:
-            x, _ = module.layers(x, pos, seg)
-        else:
-            for blk in module.blocks:
-                x, _ = blk(x, pos, seg)
-        return module.final_norm(x)
+    def run(module, x, pos, seg, pre):
+        return module.layers_and_norm(constrain(x, mesh), pos, seg, pre)
 
     return Decoder(cfg, mesh).apply({"params": text_params}, x_BTD, positions, segment_ids_BT,
-                                    method=run)
+                                    prefix_ids_BT, method=run)
 
 
 def hidden_from_embeddings(cfg: ModelConfig, text_params, x_BTD, positions, segment_ids_BT,
@@ -246,7 +241,8 @@ def hidden_from_embeddings(cfg: ModelConfig, text_params, x_BTD, positions, segm
 
 
 def vl_hidden_states(cfg: ModelConfig, text_params, tokens_BT, positions=None,
-                     segment_ids_BT=None, visual_table_RD=None, visual_index_BT=None, mesh=None):
+                     segment_ids_BT=None, visual_table_RD=None, visual_index_BT=None, mesh=None,
+                     prefix_ids_BT=None):
     """Final-normalised hidden states [B, T, D] of a multimodal batch, in natural token order.
 
     `cfg` is the text config (`vl_cfg.text`); positions default to text positions (all three
@@ -254,7 +250,7 @@ def vl_hidden_states(cfg: ModelConfig, text_params, tokens_BT, positions=None,
     ring attention, tokens, visual index, positions and segment ids are permuted into the
     zig-zag layout BEFORE the embedding lookup (integers move instead of [B, T, D] rows); the
     lookup itself is local: the visual table is replicated and the index is split like the
-    tokens.
+    tokens. `prefix_ids_BT`: rows in the shared-prompt layout (`lrl.data.shared_prompt`).
     """
     tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
     if segment_ids_BT is None:
@@ -265,6 +261,8 @@ def vl_hidden_states(cfg: ModelConfig, text_params, tokens_BT, positions=None,
     positions = jnp.asarray(positions, jnp.int32)
     if visual_index_BT is not None:
         visual_index_BT = jnp.asarray(visual_index_BT, jnp.int32)
+    if prefix_ids_BT is not None:
+        prefix_ids_BT = jnp.asarray(prefix_ids_BT, jnp.int32)
     layout = ring_layout(cfg, mesh, tokens_BT.shape[1])
     if layout is not None:
         perm = layout[0]
@@ -273,13 +271,17 @@ def vl_hidden_states(cfg: ModelConfig, text_params, tokens_BT, positions=None,
         positions = jnp.take(positions, perm, axis=positions.ndim - 1)
         if visual_index_BT is not None:
             visual_index_BT = jnp.take(visual_index_BT, perm, axis=1)
+        if prefix_ids_BT is not None:
+            prefix_ids_BT = jnp.take(prefix_ids_BT, perm, axis=1)
     if mesh is not None:
         tokens_BT, segment_ids_BT = constrain(tokens_BT, mesh), constrain(segment_ids_BT, mesh)
         if visual_index_BT is not None:
             visual_index_BT = constrain(visual_index_BT, mesh)
+        if prefix_ids_BT is not None:
+            prefix_ids_BT = constrain(prefix_ids_BT, mesh)
     x = embed_tokens(cfg, text_params, tokens_BT, visual_table_RD, visual_index_BT)
     x = _decoder_layers(cfg, text_params, x, constrain_positions(positions, mesh),
-                        segment_ids_BT, mesh)
+                        segment_ids_BT, mesh, prefix_ids_BT)
     return x if layout is None else jnp.take(x, layout[1], axis=1)
 
 
@@ -287,14 +289,16 @@ def batch_hidden_states(cfg: ModelConfig, text_params, batch, visual_table_RD, m
                         packed: bool = True):
     """`vl_hidden_states` of a packed update batch (`lrl.rl.update`'s `hidden` for the video
     task): M-RoPE positions [B, 3, T], `visual_index` [B, T] into `visual_table_RD`, the
-    frozen vision tower's output, which gets no gradient. Rows always carry segment ids."""
+    frozen vision tower's output, which gets no gradient. Rows always carry segment ids, and
+    `prefix_ids` when they are in the shared-prompt layout."""
     del packed
     if visual_table_RD is None:
         raise ValueError("update: a vision-language batch needs the visual table as the step's "
                          "extra argument")
     return vl_hidden_states(cfg, text_params, batch["tokens"],
                             jnp.swapaxes(batch["positions"], 0, 1), batch["segment_ids"],
-                            jax.lax.stop_gradient(visual_table_RD), batch["visual_index"], mesh)
+                            jax.lax.stop_gradient(visual_table_RD), batch["visual_index"], mesh,
+                            batch.get("prefix_ids"))
 
 
 def vl_forward(cfg: ModelConfig, text_params, tokens_BT, positions=None, segment_ids_BT=None,

@@ -8,7 +8,9 @@ A batch is a dict of [B, T] arrays (see `lrl.data.packing`):
   old_logp (optional: absent means on-policy, ratio exactly 1), ref_logp (optional, for KL),
   rollout_logp (optional: the sampler's log-probs, for the rollout correction),
   sample_age (optional: each token's sample age in policy versions, for the staleness
-  weight).
+  weight), prefix_ids (optional: rows in the shared-prompt layout of
+  `lrl.data.shared_prompt`, where a group's prompt is held once and each response is its own
+  segment, so the loss and its denominators read them as they read unshared rows).
 The B rows are split into `num_micro` micro-batches whose gradients are added up
 (`lrl.rl.train.accumulate_and_apply`); the loss denominators are computed once over all B
 rows (all data shards: under jit the batch is one global array), so the step equals the
@@ -46,7 +48,7 @@ from lrl.rl.train import (AccumulatePrograms, TrainState, abstract_train_state, 
                           run_accumulated, train_state_shardings)
 
 REQUIRED_KEYS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "advantages")
-OPTIONAL_KEYS = ("old_logp", "ref_logp", "rollout_logp", "sample_age")
+OPTIONAL_KEYS = ("old_logp", "ref_logp", "rollout_logp", "sample_age", "prefix_ids")
 
 
 def _check_batch(batch, num_micro: int, required=REQUIRED_KEYS, optional=OPTIONAL_KEYS):
@@ -141,7 +143,9 @@ def micro_loss(params, mb, denoms: losses.Denominators, extra=None, *, objective
 def host_denominators(micro_batches, max_len: Optional[int] = None) -> losses.Denominators:
     """`losses.loss_denominators` of a minibatch held as host micro-batches (numpy [B, T]
     loss_mask and segment_ids each), without putting them on the devices together. A
-    sequence lies within one row, so each row's segments are counted where they are."""
+    sequence lies within one row, so each row's segments are counted where they are (in the
+    shared-prompt layout a response is a segment and its prefix, with no loss token, is
+    none)."""
     tokens = sequences = 0.0
     for mb in micro_batches:
         seg = np.asarray(mb["segment_ids"])
@@ -186,10 +190,10 @@ def logprobs(params, batch, extra=None, *, model_cfg, mesh=None, num_micro: int 
              chunk: int = 1024, hidden: Callable = models.batch_hidden_states,
              extra_keys: tuple = ()):
     """Forward-only token log-probs [B, T] (fp32) of `batch["targets"]`: the old policy's
-    or the reference's. Uses tokens, positions, segment_ids, targets and `extra_keys`;
-    other keys are ignored."""
+    or the reference's. Uses tokens, positions, segment_ids, targets, prefix_ids (when
+    there) and `extra_keys`; other keys are ignored."""
     keys = ("tokens", "positions", "segment_ids", "targets") + tuple(
-        k for k in extra_keys if k in batch)
+        k for k in ("prefix_ids",) + tuple(extra_keys) if k in batch)
     _check_batch(batch, num_micro, required=keys, optional=None)
     sub = {k: batch[k] for k in keys}
 

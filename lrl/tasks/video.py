@@ -298,7 +298,10 @@ def visual_prompt(vl_cfg, text_params, tokenizer, rec: dict, item, emb) -> Promp
 def add_visual_rows(vl_cfg, batch, layout, sample_prompts, offsets):
     """Packed text rows (`lrl.grpo.pack`) -> the same rows with `visual_index` [B, T] and
     M-RoPE `positions` [B, 3, T]: sequence i is a sample of `sample_prompts[i]` and reads its
-    prompt's table rows, from `offsets[i]`."""
+    prompt's table rows, from `offsets[i]`. In the shared-prompt layout
+    (`lrl.data.shared_prompt`) the prompt's visual tokens lie once, in its prefix, and each
+    response segment holds the prompt's last token and the completion, at the positions
+    they have in the unshared sequence."""
     B, T = batch["tokens"].shape
     seg = batch["segment_ids"]
     S = int(seg.max()) + 1
@@ -306,9 +309,19 @@ def add_visual_rows(vl_cfg, batch, layout, sample_prompts, offsets):
     offs, counts = np.full((B, S), -1, np.int32), np.zeros((B, S), np.int32)
     for i, (r, s) in enumerate(zip(layout["row"], layout["start"])):
         p = sample_prompts[i].visual
-        n = int(layout["prompt_len"][i] + layout["completion_len"][i])
-        pos[r, :, s:s + n] = vl.extend_positions(p.positions, p.delta, n)
-        offs[r, seg[r, s]], counts[r, seg[r, s]] = offsets[i], p.count
+        P, c = int(layout["prompt_len"][i]), int(layout["completion_len"][i])
+        full = vl.extend_positions(p.positions, p.delta, P + c)       # [3, P + c]
+        ps = int(layout["prefix_start"][i])
+        if ps < 0:
+            pos[r, :, s:s + P + c] = full
+            offs[r, seg[r, s]], counts[r, seg[r, s]] = offsets[i], p.count
+            continue
+        # the prefix (written by each of its responses alike), then this response's segment
+        pos[r, :, ps:ps + P - 1] = full[:, :P - 1]
+        offs[r, seg[r, ps]], counts[r, seg[r, ps]] = offsets[i], p.count
+        pos[r, :, s:s + 1 + c] = full[:, P - 1:]
+        if int(batch["tokens"][r, s]) in vl_cfg.vision_token_ids:   # the prompt ends visual
+            offs[r, seg[r, s]], counts[r, seg[r, s]] = offsets[i] + p.count - 1, 1
     out = dict(batch)
     out["positions"] = pos
     out["visual_index"] = vl.visual_index(vl_cfg, batch["tokens"], seg, offs, counts)
