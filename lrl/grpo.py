@@ -166,6 +166,8 @@ def partial_rollout(s: Setup, params, carry: tuple, new_prompts: list, step: int
                                                             ro.max_staleness)
     pending = pending + tuple(partial.Pending.fresh(p, G) for p in new_prompts)
     ids, counts, max_new, index = partial.requests(pending, rl_.max_new_tokens)
+    # Tokens of carried samples prefilled again (their KV pages are not kept across steps).
+    reprefill = sum(x.tokens.size for g in pending for x in g.samples if not x.done)
     if ids and sum(g.complete for g in pending) < P:
         unfinished = []
         outs = _generate(s, params, ids, group_size=G, seed=seed, stats=stats,
@@ -185,6 +187,7 @@ def partial_rollout(s: Setup, params, carry: tuple, new_prompts: list, step: int
     m = {"partial/new_groups": len(new_prompts), "partial/trained_groups": len(done),
          "partial/dropped_stale_groups": gone_groups,
          "partial/dropped_stale_samples": gone_samples,
+         "partial/reprefill_tokens": reprefill,
          "partial/age_mean": float(ages.mean()) if ages.size else 0.0,
          "partial/age_max": float(ages.max()) if ages.size else 0.0,
          "partial/version_span_mean": float(span.mean()) if span.size else 0.0,

@@ -188,8 +188,9 @@ def test_tiny_loop_runs_with_partial_rollouts_and_compiles_nothing_after_step_tw
     assert len(trained) >= 4 and all(np.isfinite(r["loss"]) for r in trained)
     for r in steps:
         assert all(np.isfinite(v) for k, v in r.items() if k.startswith("partial/")
-                   or k == "rollout/occupancy"), r
-        assert 0 < r["rollout/occupancy"] <= 1
+                   or k.endswith("occupancy")), r
+        assert 0 < r["rollout/occupancy"] <= r["rollout/slot_occupancy"] <= 1
+    assert sum(r["partial/reprefill_tokens"] for r in steps) > 0
     assert [r["compiles/step"] for r in steps[2:]] == [0] * 4, [r["compiles/step"] for r in steps]
     assert compiles.since(before).get("jit(decode_steps)") == 1
 

@@ -158,7 +158,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
 
     The pool holds `pool_tokens` tokens, or `pool_fraction` of free device memory, or by
     default enough for all prompts plus `max_slots` samples. `stats`, when a dict, is filled
-    with timings and counts (prefill_s, decode_s, decode_steps, new_tokens, kv_token_steps,
+    with timings and counts (prefill_s, decode_s, decode_steps, new_tokens, sampled_tokens
+    (preempted ones included), occupancy, slot_occupancy, kv_token_steps,
     peak_pages, pages_allocated, pages_unshared, ...) and blocks on the prefill to time it.
     `pallas_k_splits` (None: from the slot count) splits each row's pages over that many
     programs of the GPU attention kernel, so a few long rows still fill the GPU;
@@ -445,6 +446,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                      num_pages=engine.ecfg.num_pages, slots=B,
                      # the share of decode-step rows that sampled a token
                      occupancy=st["new_tokens"] / max(1, st["decode_steps"] * B),
+                     # the share of decode-step rows live, what preemption then threw away
+                     # included: the slot occupancy over the rollout
+                     slot_occupancy=st["sampled_tokens"] / max(1, st["decode_steps"] * B),
                      attention_impl=engine.ecfg.attention_impl,
                      attention_fallback=engine.fallback,
                      sampling_impl=engine.ecfg.sampling_impl,
