@@ -12,8 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from lrl import compiles, config_util, grpo, loop, models, options
-from lrl import rollout
+from lrl import compiles, config_util, grpo, loop, models, options, rollout
 from lrl.rollout import partial
 from lrl.tasks import Prompt
 
@@ -148,7 +147,7 @@ def test_partial_options_are_checked():
         options.from_config(c, check_files=False)
 
 
-def _loop_config(monkeypatch, steps):
+def _loop_config(monkeypatch, steps, first_long=0):
     from tests.test_loop import tiny_config
     c = tiny_config()
     c.rl.max_new_tokens = 48
@@ -160,12 +159,18 @@ def _loop_config(monkeypatch, steps):
     c.rollout.update(partial=True, partial_tokens=32, max_staleness=2)
     rng = np.random.default_rng(0)
     build = loop.build_grpo
+    drawn = []
+
+    def length(sample_id):
+        # The first `first_long` samples run to 48 tokens: with 8, the budget stops the whole
+        # first step, which trains nothing.
+        drawn.append(None)
+        return 48 if len(drawn) <= first_long else int(rng.integers(1, 49))
 
     def with_varied_lengths(*args):
         # A random policy never ends by itself: each decode run of a sample ends after 1..48
         # tokens (two decode calls, the budget's, take 32 at most: the rest is carried).
-        return dataclasses.replace(build(*args),
-                                   max_new_fn=lambda sid: int(rng.integers(1, 49)))
+        return dataclasses.replace(build(*args), max_new_fn=length)
 
     monkeypatch.setattr(loop, "build_grpo", with_varied_lengths)
     return c
@@ -197,24 +202,28 @@ def test_tiny_loop_runs_with_partial_rollouts_and_compiles_nothing_after_step_tw
 
 def test_resume_drops_the_carried_samples_and_counts_them(tmp_path, monkeypatch):
     """The checkpoint does not save carried samples: the resumed run drops them, says how
-    many, and runs on."""
+    many, and runs on. Its first step trains nothing (every group still running)."""
     from lrl import metrics as metrics_lib
-    c = _loop_config(monkeypatch, steps=4)
+    c = _loop_config(monkeypatch, steps=5, first_long=8)
     write = metrics_lib.MetricsWriter.write
 
     def write_then_sigterm(self, step, metrics, phase="grpo"):
         scalars = write(self, step, metrics, phase)
-        if step == 2:
+        if step == 3:
             os.kill(os.getpid(), signal.SIGTERM)
         return scalars
 
     monkeypatch.setattr(metrics_lib.MetricsWriter, "write", write_then_sigterm)
     loop.run(c, str(tmp_path))
-    carried = _rows(tmp_path)[-1]["partial/carried_samples"]
+    first, second, third = _rows(tmp_path)
+    assert first["partial/trained_groups"] == 0 and "loss" not in first
+    assert first["partial/carried_samples"] > 0    # (a sample may draw the end token)
+    assert second["partial/trained_groups"] > 0 and np.isfinite(second["loss"])
+    carried = third["partial/carried_samples"]
     assert carried > 0
     monkeypatch.setattr(metrics_lib.MetricsWriter, "write", write)
     loop.run(c, str(tmp_path))
     rows = _rows(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert rows[2]["partial/dropped_on_resume"] == carried
-    assert "partial/dropped_on_resume" not in rows[3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[3]["partial/dropped_on_resume"] == carried
+    assert "partial/dropped_on_resume" not in rows[4] and np.isfinite(rows[4]["loss"])
