@@ -183,8 +183,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         pool_fraction=0.4,           # leaves (capped at every slot's longest sample; a CPU,
                                      # which reports no memory, gets exactly that)
         prefill_tokens=2048,         # tokens of one prefill call: prompts share its rows
-        sp_min_tokens=0))            # with ring/ulysses over seq > 1: prompts of at least this
+        sp_min_tokens=0,             # with ring/ulysses over seq > 1: prompts of at least this
                                      # many tokens are prefilled sequence-parallel
+        # Partial rollouts: a step's rollout stops once rl.prompts_per_step groups have
+        # finished (or partial_tokens are spent) instead of waiting for the longest sample;
+        # the unfinished samples carry on in the next step under the new weights, each token
+        # keeping the log-prob and version of the policy that drew it (text task only).
+        partial=False,
+        partial_tokens=0,            # decode tokens one step's rollout samples at most (checked
+                                     # after each decode call); 0 = stop on finished groups only
+        max_staleness=2))            # a carried group whose oldest token is more than this many
+                                     # steps old is dropped (and counted), never trained
 
     # --- evaluation, checkpoints, metrics -------------------------------------------------------
     c.eval = ml_collections.ConfigDict(dict(every=10, num_prompts=64, k=4, temperature=1.0))

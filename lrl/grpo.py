@@ -13,6 +13,10 @@ swapped alone:
     collect -> shape_overlong -> advantages -> process_share -> minibatches (pack, micro-
             batches, placed) -> old_and_ref_logps -> mismatch_metrics -> loss_inputs -> updates
 
+With `rollout.partial`, `collect_partial` takes `collect`'s place: the rollout stops on its
+budget and the groups still running are carried into the next step (`lrl.rollout.partial`);
+the step takes them in and hands the new carry back.
+
 A micro-batch is [rows_per_micro, row_len] for the whole run: a minibatch's token count
 changes only how many micro-batches it has (one `accumulate` call each), never a shape.
 With `rl.shared_prompt` on or auto the rows may hold a group's prompt once before its
@@ -38,6 +42,7 @@ from lrl import compiles, distributed, rl, rollout
 from lrl import mesh as mesh_lib
 from lrl.data import packing, shared_prompt
 from lrl.rl import mismatch
+from lrl.rollout import partial
 from lrl.tasks import Prompt
 
 log = logging.getLogger(__name__)
@@ -117,29 +122,83 @@ class Setup:
 
 # ----------------------------------------------------------------------------- rollout
 
-def rollout_groups(s: Setup, params, prompts: list[Prompt], *, group_size: int, seed: int,
-                   temperature: Optional[float] = None, stats: Optional[dict] = None) -> Groups:
-    """G samples of every prompt."""
+def _generate(s: Setup, params, ids: list, *, group_size: int, seed: int,
+              temperature: Optional[float] = None, stats: Optional[dict] = None, **kw):
+    """`rollout.generate` with the run's engine and sampling settings."""
     rl_ = s.rl
-    multimodal = prompts and prompts[0].embeds is not None
-    outs = rollout.generate(
-        s.model_cfg, params, [p.ids for p in prompts], max_new_tokens=rl_.max_new_tokens,
-        num_samples=group_size,
+    return rollout.generate(
+        s.model_cfg, params, ids, max_new_tokens=rl_.max_new_tokens, num_samples=group_size,
         temperature=rl_.temperature if temperature is None else temperature,
         top_k=rl_.top_k, top_p=rl_.top_p, eos_ids=s.eos_ids, seed=seed,
         page_size=s.rollout.page_size, max_slots=s.rollout.max_slots,
         pool_tokens=s.rollout.pool_tokens or None, mesh=s.mesh, stats=stats,
-        prompt_embeds=[p.embeds for p in prompts] if multimodal else None,
-        prompt_positions=[p.positions for p in prompts] if multimodal else None,
         prefill_fn=s.prefill, engine=s.engine,
         decode_params=s.decode.refresh(params) if s.decode is not None else None,
-        max_new_fn=s.max_new_fn)
+        max_new_fn=s.max_new_fn, **kw)
+
+
+def _truncated(s: Setup, completions) -> np.ndarray:
+    """[N] bool: the sample hit max_new_tokens without an end token."""
+    eos = set(int(e) for e in s.eos_ids)
+    return np.array([len(c) >= s.rl.max_new_tokens and (len(c) == 0 or int(c[-1]) not in eos)
+                     for c in completions], bool)
+
+
+def rollout_groups(s: Setup, params, prompts: list[Prompt], *, group_size: int, seed: int,
+                   temperature: Optional[float] = None, stats: Optional[dict] = None) -> Groups:
+    """G samples of every prompt."""
+    multimodal = prompts and prompts[0].embeds is not None
+    outs = _generate(
+        s, params, [p.ids for p in prompts], group_size=group_size, seed=seed,
+        temperature=temperature, stats=stats,
+        prompt_embeds=[p.embeds for p in prompts] if multimodal else None,
+        prompt_positions=[p.positions for p in prompts] if multimodal else None)
     completions = tuple(np.asarray(ids, np.int32) for per in outs for ids, _ in per)
     logps = tuple(np.asarray(lp, np.float32) for per in outs for _, lp in per)
-    eos = set(int(e) for e in s.eos_ids)
-    truncated = np.array([len(c) >= rl_.max_new_tokens and (len(c) == 0 or int(c[-1]) not in eos)
-                          for c in completions], bool)
-    return Groups(tuple(prompts), completions, logps, group_size, truncated)
+    return Groups(tuple(prompts), completions, logps, group_size, _truncated(s, completions))
+
+
+def partial_rollout(s: Setup, params, carry: tuple, new_prompts: list, step: int, *, seed: int,
+                    stats: Optional[dict] = None) -> tuple[Groups, tuple, dict]:
+    """One step's partial rollout (`lrl.rollout.partial`): the carried groups (`Pending`)
+    and `new_prompts` decoded under `params` (policy version `step`) until
+    `rl.prompts_per_step` groups are complete or `rollout.partial_tokens` tokens are sampled.
+    -> (the complete groups, at most prompts_per_step, oldest first, with their ages; the
+    groups carried on; metrics). Groups past `rollout.max_staleness` are dropped first."""
+    rl_, ro = s.rl, s.rollout
+    G, P = rl_.group_size, rl_.prompts_per_step
+    pending, gone_groups, gone_samples = partial.drop_stale(tuple(carry), step,
+                                                            ro.max_staleness)
+    pending = pending + tuple(partial.Pending.fresh(p, G) for p in new_prompts)
+    ids, counts, max_new, index = partial.requests(pending, rl_.max_new_tokens)
+    # Tokens of carried samples prefilled again (their KV pages are not kept across steps).
+    reprefill = sum(x.tokens.size for g in pending for x in g.samples if not x.done)
+    if ids and sum(g.complete for g in pending) < P:
+        unfinished = []
+        outs = _generate(s, params, ids, group_size=G, seed=seed, stats=stats,
+                         samples_per_prompt=counts, max_new_per_prompt=max_new,
+                         stop_fn=partial.stop_rule(pending, index, P, ro.partial_tokens),
+                         unfinished=unfinished)
+        pending = partial.advance(pending, index, outs, unfinished, step)
+    # Every process trains its share of the same groups (`process_share`): a multiple of them.
+    n = min(P, sum(g.complete for g in pending))
+    done, carry = partial.take_complete(pending, n - n % jax.process_count())
+    samples = [x for g in done for x in g.samples]
+    completions = tuple(x.tokens for x in samples)
+    ages = np.array([step - x.oldest() for x in samples], np.int32)
+    span = np.array([int(np.ptp(x.versions)) for x in samples], np.float32)
+    groups = Groups(tuple(g.prompt for g in done), completions, tuple(x.logps for x in samples),
+                    G, _truncated(s, completions), ages=ages)
+    m = {"partial/new_groups": len(new_prompts), "partial/trained_groups": len(done),
+         "partial/dropped_stale_groups": gone_groups,
+         "partial/dropped_stale_samples": gone_samples,
+         "partial/reprefill_tokens": reprefill,
+         "partial/age_mean": float(ages.mean()) if ages.size else 0.0,
+         "partial/age_max": float(ages.max()) if ages.size else 0.0,
+         "partial/version_span_mean": float(span.mean()) if span.size else 0.0,
+         "partial/version_span_max": float(span.max()) if span.size else 0.0,
+         **partial.carried_metrics(carry, step)}
+    return groups, carry, m
 
 
 def score(groups: Groups, pool, tokenizer) -> tuple[Groups, dict]:
@@ -168,6 +227,27 @@ def sample_and_score(s: Setup, params, raw, *, group_size: int, seed: int,
     m.update({f"rollout/{k}": v for k, v in stats.items() if np.isscalar(v)})
     m["rollout/sp_prefill"] = float(s.prefill is not None)
     return groups, m
+
+
+def collect_partial(s: Setup, params, it, step: int, carry: tuple) -> tuple[Groups, dict, tuple]:
+    """Rollout + rewards for one step of partial rollouts: a new batch of prompts joins the
+    carried groups while fewer than `rl.prompts_per_step` are in flight (so at most about
+    twice that many are); the complete groups are scored. -> (groups, metrics, carry)."""
+    new, m = [], {}
+    if len(carry) < s.rl.prompts_per_step:
+        new, m = s.task.prepare(params, next(it))
+    stats = {}
+    t0 = time.time()
+    groups, carry, pm = partial_rollout(s, params, carry, new, step,
+                                        seed=s.seed * 1_000_003 + step * 101, stats=stats)
+    m["time/rollout_s"] = time.time() - t0
+    m.update(pm)
+    m.update({f"rollout/{k}": v for k, v in stats.items() if np.isscalar(v)})
+    if groups.P:
+        groups, reward_stats = score(groups, s.pool, s.tokenizer)
+        m.update(reward_stats)
+        m.update(rollout_metrics(groups))
+    return groups, m, carry
 
 
 def collect(s: Setup, params, it, step: int) -> tuple[Groups, dict]:
@@ -246,11 +326,18 @@ def shape_overlong(groups: Groups, rl_) -> tuple[Groups, np.ndarray]:
     raise ValueError(f"rl.overlong={rl_.overlong!r}; choose none, mask or penalty")
 
 
-def advantages(groups: Groups, estimator: str) -> np.ndarray:
+def advantages(groups: Groups, estimator: str, pad_P: int = 0) -> np.ndarray:
+    """[P, G]. `pad_P`: computed over that many groups, the real ones then rows of zero
+    rewards and zero tokens, which change no estimator but reinforce_pp (refused with partial
+    rollouts), so a step training fewer groups than the last compiles nothing new."""
     # The completion tokens are what the loss trains (reinforce_pp_token weighs by them).
     lengths_PG = np.array([len(c) for c in groups.completions]).reshape(groups.P, -1)
-    return np.asarray(rl.advantages(groups.rewards_PG, estimator=estimator,
-                                    lengths_PG=lengths_PG), np.float32)
+    rewards_PG, P = groups.rewards_PG, groups.P
+    if pad_P > P:
+        pad = ((0, pad_P - P), (0, 0))
+        rewards_PG, lengths_PG = np.pad(rewards_PG, pad), np.pad(lengths_PG, pad)
+    return np.asarray(rl.advantages(rewards_PG, estimator=estimator,
+                                    lengths_PG=lengths_PG), np.float32)[:P]
 
 
 def process_share(P: int) -> np.ndarray:
@@ -477,12 +564,23 @@ def updates(s: Setup, state, batches: list[Minibatch]):
 
 # ----------------------------------------------------------------------------- one step
 
-def step(s: Setup, state, it, step_index: int):
-    """One GRPO step -> (new state, metrics, the step's groups)."""
+def step(s: Setup, state, it, step_index: int, carry: Optional[tuple] = None):
+    """One GRPO step -> (new state, metrics, the step's groups, the groups carried to the next
+    step: `lrl.rollout.partial.Pending`s with `rollout.partial`, else None). A partial step
+    whose budget ended before any group finished trains nothing."""
     before = compiles.snapshot()
-    groups, m = collect(s, state.params, it, step_index)
+    if s.rollout.partial:
+        groups, m, carry = collect_partial(s, state.params, it, step_index, carry or ())
+    else:
+        groups, m = collect(s, state.params, it, step_index)
+    if not groups.P:
+        m.update({"compiles/step": sum(compiles.since(before).values()),
+                  "compiles/total": compiles.total()})
+        return state, m, groups, carry
     groups, weight = shape_overlong(groups, s.rl)
-    adv_PG = advantages(groups, s.rl.estimator)
+    # A partial step trains however many groups finished: one shape for all of them.
+    adv_PG = advantages(groups, s.rl.estimator,
+                        pad_P=s.rl.prompts_per_step if s.rollout.partial else 0)
     mine = process_share(groups.P)
     local = groups.take(mine)
     batches, truncated = minibatches(s, local, adv_PG[mine],
@@ -512,7 +610,7 @@ def step(s: Setup, state, it, step_index: int):
               # programs compiled in this step (0 once the run's shapes are all known)
               "compiles/step": sum(compiles.since(before).values()),
               "compiles/total": compiles.total()})
-    return state, m, groups
+    return state, m, groups, carry
 
 
 def pass_at_k(correct_PG: np.ndarray, k: int) -> float:

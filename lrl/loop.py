@@ -268,6 +268,14 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> 
     e = opts.eval
     held_out = r.task.eval_batches() if e.every else []
     step, metrics = int(data_state.get("step", 0)), {}
+    # Partial rollouts' carried samples are not saved: a resumed run drops them (their prompts
+    # were drawn already, so the data stream skips them) and says how many.
+    dropped = int(data_state.get("carried_samples", 0))
+    if dropped:
+        log.warning("resume: dropping %d carried partial-rollout samples", dropped)
+        r.writer.note(f"resume: {dropped} carried partial-rollout samples (of "
+                      f"{data_state.get('carried_groups', 0)} groups) were not saved; dropped")
+    carry = None
     r.writer.begin_phase("grpo", step, opts)
     try:
         s = build_grpo(r, state, tx, pool)
@@ -275,8 +283,10 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> 
             r.writer.write(offset, grpo.evaluate(s, state.params, held_out, e.k,
                                                  e.temperature, 0))
         while step < steps:
-            state, m, groups = grpo.step(s, state, it, step)
+            state, m, groups, carry = grpo.step(s, state, it, step, carry)
             step += 1
+            if dropped:
+                m["partial/dropped_on_resume"], dropped = dropped, 0
             m.update(it.stats())
             if held_out and (step % e.every == 0 or step == steps):
                 m.update(grpo.evaluate(s, state.params, held_out, e.k, e.temperature, step))
@@ -285,7 +295,8 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> 
             r.writer.samples(offset + step, _samples(groups, opts.metrics.samples_per_step))
             stopped = r.guard.should_stop(offset + step)
             _checkpoint(r, offset + step, state, {"phase": "grpo", "step": step,
-                                                  "prompt_iter": it.get_state()},
+                                                  "prompt_iter": it.get_state(),
+                                                  **_carried(carry)},
                         force=stopped or step == steps)
             if stopped:
                 log.info("stopping at step %d on request (SIGTERM); checkpoint saved",
@@ -295,6 +306,14 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> 
         pool.close()
     r.writer.plot("grpo")
     return metrics
+
+
+def _carried(carry) -> dict:
+    """What the checkpoint says of the carried groups (a resume drops them)."""
+    if not carry:
+        return {}
+    return {"carried_samples": sum(not x.done for g in carry for x in g.samples),
+            "carried_groups": len(carry)}
 
 
 def _samples(groups: grpo.Groups, n: int) -> list[dict]:

@@ -302,6 +302,9 @@ class RolloutOptions:
     pool_fraction: float = _opt(gt=0, le=1)   # of the device memory free after the train state
     prefill_tokens: int = _opt(ge=16)   # tokens of one prefill call (rows x chunk)
     sp_min_tokens: int = _opt(ge=0)     # prompts this long prefill over seq (ring/ulysses)
+    partial: bool = _opt()              # carry unfinished samples into the next step
+    partial_tokens: int = _opt(ge=0)    # decode tokens a step samples at most; 0 = no budget
+    max_staleness: int = _opt(ge=0)     # policy versions a carried group may span, then dropped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,6 +446,7 @@ def _check_across(o: Options) -> None:
         raise ValueError(f"rl.overlong_buffer={o.rl.overlong_buffer}: the penalty ramps over "
                          f"1 to rl.max_new_tokens={o.rl.max_new_tokens} tokens")
     _check_budget(o)
+    _check_partial(o)
     if o.rl.loss.dual_clip and o.rl.loss.dual_clip <= 1.0:
         raise ValueError(f"rl.loss.dual_clip={o.rl.loss.dual_clip}: must be 0 (off) or > 1 "
                          "(verl uses 3)")
@@ -457,6 +461,27 @@ def _check_across(o: Options) -> None:
         if v.min_tokens_per_frame > v.max_tokens_per_frame:
             raise ValueError(f"video.min_tokens_per_frame={v.min_tokens_per_frame} > "
                              f"video.max_tokens_per_frame={v.max_tokens_per_frame}")
+
+
+def _check_partial(o: Options) -> None:
+    """What partial rollouts (`rollout.partial`) cannot run with yet."""
+    ro = o.rollout
+    if not ro.partial:
+        if ro.partial_tokens:
+            raise ValueError(f"rollout.partial_tokens={ro.partial_tokens} is the budget of a "
+                             "partial rollout: set rollout.partial=True, or leave it 0")
+        return
+    if o.task != "text":
+        raise ValueError(f"rollout.partial=True runs on the text task only, not task={o.task!r}"
+                         ": a carried sample is prefilled again from token ids, and a video "
+                         "prompt's embeddings are not kept across steps")
+    if o.rl.dynamic_sampling:
+        raise ValueError("rollout.partial=True with rl.dynamic_sampling=True is not built: a "
+                         "partial step already trains the groups that finish; turn one off")
+    if o.rl.estimator == "reinforce_pp":
+        raise ValueError("rollout.partial=True with rl.estimator='reinforce_pp' is not built: "
+                         "it whitens over the step's samples, whose count a partial step "
+                         "varies; use reinforce_pp_token (over tokens) or a group estimator")
 
 
 def longest_sample(o: Options) -> Optional[int]:

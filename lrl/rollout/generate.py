@@ -128,8 +128,20 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
              prompt_positions: Optional[Sequence] = None,
              prefill_fn: Optional[Callable] = None, engine: Optional[Engine] = None,
              decode_params=None, max_new_fn: Optional[Callable[[int], int]] = None,
-             reserve_pages: bool = False):
+             reserve_pages: bool = False, samples_per_prompt: Optional[Sequence[int]] = None,
+             max_new_per_prompt: Optional[Sequence[int]] = None,
+             stop_fn: Optional[Callable[[list, int], bool]] = None,
+             unfinished: Optional[list] = None):
     """-> [P][G] list of (token ids int32, log-probs float32) per sample.
+
+    Partial rollouts (`lrl.rollout.partial`): `samples_per_prompt` gives each prompt its own
+    sample count (else `num_samples` each; sample ids then run on over the prompts in order)
+    and `max_new_per_prompt` its own limit (at most `max_new_tokens`), so a sample carried
+    from an earlier rollout comes back as a prompt of its own: its prompt and tokens so far,
+    re-prefilled, one sample, the tokens it has left. `stop_fn(finished, sampled) -> bool` is
+    asked after every collected decode call, with the (p, g) samples that call finished and
+    the tokens sampled so far; True stops the rollout there: a live sample returns what it
+    sampled, a waiting one nothing, and each is appended, as (p, g), to `unfinished` (a list).
 
     `engine`: an engine built once for many calls (`engine_config`): its compiled programs and
     its pool are reused, and the size arguments here (pool, slots, pages, prefill and kernel
@@ -146,7 +158,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
 
     The pool holds `pool_tokens` tokens, or `pool_fraction` of free device memory, or by
     default enough for all prompts plus `max_slots` samples. `stats`, when a dict, is filled
-    with timings and counts (prefill_s, decode_s, decode_steps, new_tokens, kv_token_steps,
+    with timings and counts (prefill_s, decode_s, decode_steps, new_tokens, sampled_tokens
+    (preempted ones included), occupancy, slot_occupancy, kv_token_steps,
     peak_pages, pages_allocated, pages_unshared, ...) and blocks on the prefill to time it.
     `pallas_k_splits` (None: from the slot count) splits each row's pages over that many
     programs of the GPU attention kernel, so a few long rows still fill the GPU;
@@ -168,6 +181,16 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     prompts = _check_prompts(prompts, cfg.vocab_size)
     P, G = len(prompts), num_samples
+    counts = [G] * P if samples_per_prompt is None else [int(n) for n in samples_per_prompt]
+    max_new = ([max_new_tokens] * P if max_new_per_prompt is None
+               else [int(n) for n in max_new_per_prompt])
+    if len(counts) != P or len(max_new) != P:
+        raise ValueError(f"generate: {P} prompts but {len(counts)} samples_per_prompt and "
+                         f"{len(max_new)} max_new_per_prompt")
+    if min(counts, default=1) < 1 or not all(1 <= n <= max_new_tokens for n in max_new):
+        raise ValueError(f"generate: samples_per_prompt must be >= 1 and max_new_per_prompt in "
+                         f"[1, {max_new_tokens}]: {counts}, {max_new}")
+    first_id = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int) if P else []
     if (prompt_embeds is None) != (prompt_positions is None):
         raise ValueError("generate: multimodal prompts need both prompt_embeds and "
                          "prompt_positions")
@@ -195,13 +218,13 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         engine = Engine(cfg, ecfg, mesh)
     B = engine.ecfg.max_slots
     for i, p in enumerate(prompts):
-        engine.check_fits(len(p), max_new_tokens, what=f"prompt {i}")
+        engine.check_fits(len(p), max_new[i], what=f"prompt {i}")
     state = engine.take_state()
     if decode_params is None:
         decode_params = engine.decode_params(params)
     dparams = decode_params
     rng = jax.random.key(seed)
-    results = [[None] * G for _ in range(P)]
+    results = [[None] * n for n in counts]
     queue = collections.deque(range(P))   # prompts with samples not yet admitted
     redo = collections.deque()            # (p, g) samples preempted, to run again from start
     next_sample = [0] * P
@@ -240,6 +263,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             st["kv_token_steps"] += n * (T + before) + n * (n - 1) // 2
             if not active[s]:
                 p, g = owner[s]
+                finished_now.append((p, g))
                 results[p][g] = (np.concatenate(out_tokens.pop(s)).astype(np.int32),
                                  np.concatenate(out_logps.pop(s)).astype(np.float32))
                 st["new_tokens"] += len(results[p][g][0])
@@ -247,6 +271,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                 admitted.remove(s)
                 done.append(s)
         st["decode_steps"] += int(valid.any(axis=0).sum())
+        st["sampled_tokens"] += int(valid.sum())
         if done:
             state = engine.free(state, done)
             free_slots.extend(done)
@@ -266,11 +291,11 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
 
     limits: dict[int, int] = {}
 
-    def limit_for(sample_id: int) -> int:
+    def limit_for(p: int, sample_id: int) -> int:
         """Tokens a sample samples at most (the same if it is preempted and run again)."""
         if sample_id not in limits:
-            limits[sample_id] = (max_new_tokens if max_new_fn is None else
-                                 max(1, min(max_new_tokens, int(max_new_fn(sample_id)))))
+            limits[sample_id] = (max_new[p] if max_new_fn is None else
+                                 max(1, min(max_new[p], int(max_new_fn(sample_id)))))
         return limits[sample_id]
 
     def prefix_for(p):
@@ -284,6 +309,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         return open_prefix[p], False
 
     in_flight = None   # a decode call's output not yet collected (only once no prompt waits)
+    finished_now: list = []   # (p, g) finished since stop_fn was last asked
+    stopped = False
     while queue or redo or any(o is not None for o in owner):
         # Admission: fill free slots from the waiting samples while pages allow (keeping
         # what the live slots need to grow through the next two calls).
@@ -296,9 +323,10 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                 last = not (queue and queue[0] == p)
             else:
                 p = queue[0]
-                g, last = next_sample[p], next_sample[p] == G - 1
+                g, last = next_sample[p], next_sample[p] == counts[p] - 1
             T = len(prompts[p])
-            n = limit_for(p * G + g)
+            sid = int(first_id[p]) + g
+            n = limit_for(p, sid)
             first = min(steps_per_call, n) if grow else None
             need = engine.sample_pages(T, n if first is None else first)
             if p not in open_prefix:
@@ -309,9 +337,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             if new:
                 new_prefixes.append(pre)
             slot = free_slots.popleft()
-            plan = engine.reserve_slot(pre, slot, p * G + g, max_new_tokens, last=last,
+            plan = engine.reserve_slot(pre, slot, sid, max_new[p], last=last,
                                        first_tokens=first)
-            if n < max_new_tokens:   # a forced length (benchmarks): it stops early
+            if n < max_new[p]:   # a forced length (benchmarks): it stops early
                 plan = dataclasses.replace(plan, remaining=n)
             plans.append(plan)
             owner[slot], out_tokens[slot], out_logps[slot] = (p, g), [], []
@@ -323,7 +351,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                 redo.popleft()
             else:
                 next_sample[p] += 1
-                if next_sample[p] == G:
+                if next_sample[p] == counts[p]:
                     queue.popleft()
             if last:
                 finished_prefixes.append(open_prefix.pop(p))
@@ -382,11 +410,35 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                 state = collect(state, in_flight)
             in_flight = out
         t_decode += time.perf_counter() - t0
+        if stop_fn is not None:
+            done_now, finished_now[:] = list(finished_now), []
+            if stop_fn(done_now, st["sampled_tokens"]):
+                stopped = True
+                break
 
     if in_flight is not None:   # every slot finished before this call: it sampled nothing
         t0 = time.perf_counter()
         state = collect(state, in_flight)
         t_decode += time.perf_counter() - t0
+    if stopped:   # what is live keeps its tokens so far; what waits has none
+        live = [s for s in range(B) if owner[s] is not None]
+        stopped_pg = [owner[s] for s in live]
+        for s in live:
+            p, g = owner[s]
+            results[p][g] = (np.concatenate(out_tokens.pop(s) or [np.zeros(0)]).astype(np.int32),
+                             np.concatenate(out_logps.pop(s) or [np.zeros(0)]).astype(np.float32))
+            st["new_tokens"] += len(results[p][g][0])
+            owner[s] = None
+        if live:
+            state = engine.free(state, live)
+        for pre in open_prefix.values():
+            engine.release(pre)
+        open_prefix.clear()
+        waiting = list(redo) + [(p, g) for p in queue for g in range(next_sample[p], counts[p])]
+        for p, g in waiting:
+            results[p][g] = (np.zeros(0, np.int32), np.zeros(0, np.float32))
+        if unfinished is not None:
+            unfinished.extend(sorted(stopped_pg + waiting))
     engine.keep_state(state)   # raises if a page is still in use
     if stats is not None:
         page_size = engine.ecfg.page_size
@@ -394,11 +446,15 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                      num_pages=engine.ecfg.num_pages, slots=B,
                      # the share of decode-step rows that sampled a token
                      occupancy=st["new_tokens"] / max(1, st["decode_steps"] * B),
+                     # the share of decode-step rows live, what preemption then threw away
+                     # included: the slot occupancy over the rollout
+                     slot_occupancy=st["sampled_tokens"] / max(1, st["decode_steps"] * B),
                      attention_impl=engine.ecfg.attention_impl,
                      attention_fallback=engine.fallback,
                      sampling_impl=engine.ecfg.sampling_impl,
                      pages_allocated=engine.pool.allocated_total,
-                     pages_unshared=sum(G * pages_for(len(p) + max_new_tokens - 1, page_size)
-                                        for p in prompts),
-                     prefill_tokens_unshared=G * st["prefill_tokens"])
+                     pages_unshared=sum(n * pages_for(len(p) + m - 1, page_size)
+                                        for p, n, m in zip(prompts, counts, max_new)),
+                     prefill_tokens_unshared=sum(n * (len(p) - 1)
+                                                 for p, n in zip(prompts, counts)))
     return results

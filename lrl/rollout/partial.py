@@ -1,0 +1,145 @@
+"""Partial rollouts: the host bookkeeping of groups whose samples outlive one step's rollout.
+
+With `rollout.partial`, a step's rollout stops once a decode-token budget is spent or enough
+groups have finished (`generate`'s `stop_fn`); the samples still running are carried, as
+`Pending` groups, into the next step's rollout, where each comes back as a prompt of its own:
+its prompt and the tokens it has so far, prefilled again (exact while the weights are
+unchanged: a prefill writes the same keys and values a decode step would), then decoded on
+under the new weights. Every token keeps the log-prob its sampler gave it and that sampler's
+policy version (the step whose parameters drew it), so the update weighs each token against
+the policy that really drew it. A group trains once all its samples have finished; a group
+whose oldest token is more than `max_staleness` versions old is dropped, and counted.
+
+All functions here are pure: they take and return tuples of frozen records.
+
+P prompts · G samples per prompt.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+
+def _empty(dtype):
+    return dataclasses.field(default_factory=lambda: np.zeros(0, dtype))
+
+
+# eq=False: records compare by identity (their arrays have no one truth value).
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sample:
+    """One sample so far."""
+    tokens: np.ndarray = _empty(np.int32)     # sampled so far (ending with EOS once done)
+    logps: np.ndarray = _empty(np.float32)    # each one's log-prob under the policy that drew it
+    versions: np.ndarray = _empty(np.int32)   # that policy's version (the step that sampled it)
+    done: bool = False
+
+    def oldest(self) -> Optional[int]:
+        return int(self.versions.min()) if self.versions.size else None
+
+    def extend(self, tokens, logps, version: int, done: bool) -> "Sample":
+        tokens = np.asarray(tokens, np.int32)
+        return Sample(np.concatenate([self.tokens, tokens]),
+                      np.concatenate([self.logps, np.asarray(logps, np.float32)]),
+                      np.concatenate([self.versions, np.full(tokens.size, version, np.int32)]),
+                      done)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pending:
+    """A group in flight: its prompt (the task's `Prompt`) and its G samples."""
+    prompt: object
+    samples: tuple
+
+    @staticmethod
+    def fresh(prompt, group_size: int) -> "Pending":
+        return Pending(prompt, (Sample(),) * group_size)
+
+    @property
+    def complete(self) -> bool:
+        return all(x.done for x in self.samples)
+
+    def oldest(self) -> Optional[int]:
+        old = [v for v in (x.oldest() for x in self.samples) if v is not None]
+        return min(old) if old else None
+
+
+def drop_stale(pending: tuple, version: int, max_staleness: int) -> tuple[tuple, int, int]:
+    """-> (kept groups, groups dropped, samples dropped): a group whose oldest token was drawn
+    more than `max_staleness` versions before `version` can only get older, so it goes (its
+    finished samples with it: the group's advantage needs them all)."""
+    fresh = [g.oldest() is None or version - g.oldest() <= max_staleness for g in pending]
+    gone = [g for g, ok in zip(pending, fresh) if not ok]
+    return (tuple(g for g, ok in zip(pending, fresh) if ok), len(gone),
+            sum(len(g.samples) for g in gone))
+
+
+def requests(pending: tuple, max_new_tokens: int):
+    """What `generate` runs for the unfinished samples of `pending`: -> (prompt ids [N],
+    samples per prompt [N], tokens each may still sample [N], index: for each request, the
+    (group, sample) of its samples). Samples not yet begun share one request of their prompt
+    (one prefill, shared pages); a begun one is a request of its own, its prompt followed by
+    its tokens so far."""
+    ids, counts, max_new, index = [], [], [], []
+    for i, group in enumerate(pending):
+        fresh = [g for g, x in enumerate(group.samples) if not x.done and x.tokens.size == 0]
+        if fresh:
+            ids.append(np.asarray(group.prompt.ids, np.int32))
+            counts.append(len(fresh))
+            max_new.append(max_new_tokens)
+            index.append([(i, g) for g in fresh])
+        for g, x in enumerate(group.samples):
+            if not x.done and x.tokens.size:
+                ids.append(np.concatenate([np.asarray(group.prompt.ids, np.int32), x.tokens]))
+                counts.append(1)
+                max_new.append(max_new_tokens - x.tokens.size)
+                index.append([(i, g)])
+    return ids, counts, max_new, index
+
+
+def stop_rule(pending: tuple, index: list, target_groups: int, token_budget: int):
+    """`generate`'s stop_fn: stop once `target_groups` groups are complete (those complete
+    already count) or `token_budget` tokens have been sampled (0: no budget)."""
+    left = [sum(not x.done for x in g.samples) for g in pending]
+    complete = [sum(n == 0 for n in left)]
+
+    def stop(finished: list, sampled: int) -> bool:
+        for p, g in finished:
+            i, _ = index[p][g]
+            left[i] -= 1
+            complete[0] += left[i] == 0
+        return complete[0] >= target_groups or (token_budget > 0 and sampled >= token_budget)
+    return stop
+
+
+def advance(pending: tuple, index: list, results: list, unfinished, version: int) -> tuple:
+    """`pending` after one rollout: each request's tokens appended to its sample, drawn by
+    policy `version`; a sample is done unless `(p, g)` is in `unfinished`."""
+    samples = [list(g.samples) for g in pending]
+    stopped = set(map(tuple, unfinished))
+    for p, per in enumerate(results):
+        for g, (tokens, logps) in enumerate(per):
+            i, j = index[p][g]
+            samples[i][j] = samples[i][j].extend(tokens, logps, version, (p, g) not in stopped)
+    return tuple(Pending(grp.prompt, tuple(s)) for grp, s in zip(pending, samples))
+
+
+def take_complete(pending: tuple, n: int) -> tuple[tuple, tuple]:
+    """-> (up to `n` complete groups, oldest first; the rest, in their order)."""
+    order = sorted(range(len(pending)), key=lambda i: (pending[i].oldest() or 0, i))
+    take = set([i for i in order if pending[i].complete][:n])
+    return (tuple(pending[i] for i in sorted(take, key=order.index)),
+            tuple(g for i, g in enumerate(pending) if i not in take))
+
+
+def carried_metrics(pending: tuple, version: int) -> dict:
+    """What is carried into the next step: unfinished samples, their groups, their age (policy
+    versions since their first token; those not yet begun are not counted)."""
+    live = [x for g in pending for x in g.samples if not x.done]
+    ages = [version - x.oldest() for x in live if x.oldest() is not None]
+    return {"partial/carried_samples": len(live),
+            "partial/carried_groups": sum(not g.complete for g in pending),
+            "partial/carried_complete_groups": sum(g.complete for g in pending),
+            "partial/carried_age_mean": float(np.mean(ages)) if ages else 0.0,
+            "partial/carried_age_max": float(max(ages)) if ages else 0.0}

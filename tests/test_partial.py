@@ -1,0 +1,229 @@
+"""Partial rollouts (`rollout.partial`): a step's rollout stops on its budget and the unfinished
+samples carry on in the next step, re-prefilled. Greedy partial rollouts over several steps
+with unchanged weights give the tokens of one uninterrupted rollout; a carried sample's tokens,
+log-probs and versions are those of the policy that drew each; the staleness cap drops and
+counts; the loop runs with it on and compiles nothing new after its second step."""
+import dataclasses
+import json
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from lrl import compiles, config_util, grpo, loop, models, options, rollout
+from lrl.rollout import partial
+from lrl.tasks import Prompt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = models.ModelConfig(model_type="qwen2", vocab_size=64, d_model=32, n_layers=2,
+                          n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=64, remat="none")
+MAX_NEW = 40   # more than a decode call's 16 steps: a budget can stop a sample mid-way
+
+
+def _setup(max_slots=4, partial_tokens=50, max_staleness=2, prompts_per_step=3):
+    c = config_util.load(os.path.join(ROOT, "configs", "default.py"), "runlocal")
+    c.rl.update(max_new_tokens=MAX_NEW, temperature=0.0, group_size=2,
+                prompts_per_step=prompts_per_step)
+    c.rollout.update(partial=True, partial_tokens=partial_tokens, max_staleness=max_staleness)
+    rl = options.from_config(c).rl
+    ro = options.RolloutOptions(page_size=4, max_slots=max_slots, pool_tokens=0,
+                                pool_fraction=0.4, prefill_tokens=256, sp_min_tokens=0,
+                                partial=True, partial_tokens=partial_tokens,
+                                max_staleness=max_staleness)
+    return grpo.Setup(rl=rl, rollout=ro, seed=0, task=None, tokenizer=None, model_cfg=TINY,
+                      mesh=None, eos_ids=(), pool=None, update=None, logprobs=None, shards=1,
+                      row_len=64, rows_per_shard=1, max_segments=8)
+
+
+def _params(seed, scale=3.0):
+    return jax.tree.map(lambda x: x * scale if x.ndim >= 2 else x,
+                        models.init_params(TINY, jax.random.key(seed)))
+
+
+def _prompts(lengths=(5, 9, 7), seed=0):
+    rng = np.random.RandomState(seed)
+    return [Prompt(rng.randint(1, 64, n).astype(np.int32), str(i), {}, "")
+            for i, n in enumerate(lengths)]
+
+
+def test_greedy_partial_rollout_over_steps_equals_one_uninterrupted_rollout():
+    s = _setup()
+    params = _params(1)
+    prompts = _prompts()
+    want = grpo.rollout_groups(s, params, prompts, group_size=2, seed=0)
+    carry, trained, steps, spans = (), {}, 0, []
+    new = prompts
+    while len(trained) < len(prompts):
+        groups, carry, m = grpo.partial_rollout(s, params, carry, new, steps, seed=steps)
+        new, steps = [], steps + 1
+        if steps == 1:   # the budget stopped the first step with samples half done, some unbegun
+            assert m["partial/trained_groups"] == 0 and m["partial/carried_samples"] == 6
+            begun = [x.tokens.size for g in carry for x in g.samples]
+            assert 0 in begun and max(begun) == 16
+        for g in range(groups.P):
+            trained[groups.prompts[g].answer] = groups.completions[2 * g:2 * g + 2]
+        spans.append(m["partial/version_span_max"])
+        assert steps < 10
+    assert steps >= 3 and max(spans) >= 1 and m["partial/dropped_stale_groups"] == 0
+    for p, prompt in enumerate(prompts):
+        for g in range(2):
+            np.testing.assert_array_equal(trained[prompt.answer][g], want.completions[2 * p + g])
+
+
+def test_carried_tokens_keep_the_log_probs_and_versions_of_the_policy_that_drew_them():
+    s = _setup(max_slots=8, partial_tokens=1, prompts_per_step=2)
+    a, b = _params(1), _params(2)
+    prompts = _prompts((6, 8))
+    groups, carry, m = grpo.partial_rollout(s, a, (), prompts, 0, seed=0)
+    assert groups.P == 0 and m["partial/carried_samples"] == 4
+    ref_a = rollout.generate(TINY, a, [p.ids for p in prompts], max_new_tokens=MAX_NEW,
+                             num_samples=2, page_size=4)
+    for p, grp in enumerate(carry):
+        for g, x in enumerate(grp.samples):
+            k = x.tokens.size
+            # A call's 16 steps, or two: once no sample waits, the next call is launched
+            # before the last is collected, so the budget ends a call late.
+            assert 0 < k < MAX_NEW and not x.done and (x.versions == 0).all()
+            np.testing.assert_array_equal(x.tokens, ref_a[p][g][0][:k])
+            np.testing.assert_allclose(x.logps, ref_a[p][g][1][:k], atol=1e-5)
+    first = carry
+    s = dataclasses.replace(s, rollout=dataclasses.replace(s.rollout, partial_tokens=0))
+    groups, carry, m = grpo.partial_rollout(s, b, first, [], 1, seed=1)
+    assert groups.P == 2 and carry == () and m["partial/version_span_mean"] == 1.0
+    assert groups.sample_ages().tolist() == [1, 1, 1, 1] and m["partial/age_max"] == 1
+    for p, grp in enumerate(first):
+        for g, x in enumerate(grp.samples):
+            k = x.tokens.size
+            (tok_b, lp_b), = rollout.generate(
+                TINY, b, [np.concatenate([prompts[p].ids, x.tokens])],
+                max_new_tokens=MAX_NEW - k, num_samples=1, page_size=4)[0]
+            got, logp = groups.completions[2 * p + g], groups.logps[2 * p + g]
+            np.testing.assert_array_equal(got, np.concatenate([x.tokens, tok_b]))
+            np.testing.assert_allclose(logp[:k], x.logps)        # drawn by a, version 0
+            np.testing.assert_allclose(logp[k:], lp_b, atol=1e-5)  # drawn by b, version 1
+
+
+def test_the_staleness_cap_drops_and_counts_whole_groups():
+    def group(versions_per_sample, done=False):
+        return partial.Pending(None, tuple(
+            partial.Sample(np.zeros(len(v), np.int32), np.zeros(len(v), np.float32),
+                           np.asarray(v, np.int32), done) for v in versions_per_sample))
+    old = group([[0, 1], [1]])          # oldest token drawn at version 0
+    young = group([[2, 3], []])         # oldest at 2; one sample not begun
+    fresh = group([[], []])
+    kept, groups, samples = partial.drop_stale((old, young, fresh), 3, 2)
+    assert kept == (young, fresh) and (groups, samples) == (1, 2)
+    kept, groups, samples = partial.drop_stale((old, young, fresh), 4, 2)
+    assert len(kept) == 2 and kept[0] is young and (groups, samples) == (1, 2)
+    kept, groups, samples = partial.drop_stale((old, young, fresh), 5, 2)
+    assert kept == (fresh,) and (groups, samples) == (2, 4)
+    # Through a step: what the first step carries is 3 versions old at step 3, cap 2.
+    s = _setup(max_slots=8, partial_tokens=1, max_staleness=2, prompts_per_step=2)
+    params = _params(1)
+    _, carry, m0 = grpo.partial_rollout(s, params, (), _prompts((6, 8)), 0, seed=0)
+    assert m0["partial/carried_age_max"] == 0 and m0["partial/carried_samples"] == 4
+    groups, _, m = grpo.partial_rollout(s, params, carry, [], 2, seed=2)
+    assert m["partial/dropped_stale_groups"] == 0 and groups.sample_ages().tolist() == [2] * 4
+    _, kept, m = grpo.partial_rollout(s, params, carry, [], 3, seed=3)
+    assert m["partial/dropped_stale_groups"] == 2 and m["partial/dropped_stale_samples"] == 4
+    assert kept == () and m["partial/carried_samples"] == 0
+
+
+def test_partial_options_are_checked():
+    c = config_util.load(os.path.join(ROOT, "configs", "default.py"), "runlocal")
+    c.rollout.partial_tokens = 100
+    with pytest.raises(ValueError, match="rollout.partial_tokens=100.*rollout.partial=True"):
+        options.from_config(c, check_files=False)
+    c.rollout.partial = True
+    c.rl.dynamic_sampling = True
+    with pytest.raises(ValueError, match="rl.dynamic_sampling"):
+        options.from_config(c, check_files=False)
+    c.rl.dynamic_sampling = False
+    c.rollout.max_staleness = -1
+    with pytest.raises(ValueError, match="rollout.max_staleness=-1"):
+        options.from_config(c, check_files=False)
+
+
+def _loop_config(monkeypatch, steps, first_long=0):
+    from tests.test_loop import tiny_config
+    c = tiny_config()
+    c.rl.max_new_tokens = 48
+    c.data.max_prompt_len = 80   # a sample fits one packed row of 128
+    c.sft.steps = 0
+    c.rl.steps = steps
+    c.eval.every = 0
+    c.reward.spec = "test_digits:1.0"
+    c.rollout.update(partial=True, partial_tokens=32, max_staleness=2)
+    rng = np.random.default_rng(0)
+    build = loop.build_grpo
+    drawn = []
+
+    def length(sample_id):
+        # The first `first_long` samples run to 48 tokens: with 8, the budget stops the whole
+        # first step, which trains nothing.
+        drawn.append(None)
+        return 48 if len(drawn) <= first_long else int(rng.integers(1, 49))
+
+    def with_varied_lengths(*args):
+        # A random policy never ends by itself: each decode run of a sample ends after 1..48
+        # tokens (two decode calls, the budget's, take 32 at most: the rest is carried).
+        return dataclasses.replace(build(*args), max_new_fn=length)
+
+    monkeypatch.setattr(loop, "build_grpo", with_varied_lengths)
+    return c
+
+
+def _rows(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tiny_loop_runs_with_partial_rollouts_and_compiles_nothing_after_step_two(
+        tmp_path, monkeypatch):
+    c = _loop_config(monkeypatch, steps=6)
+    before = compiles.snapshot()
+    loop.run(c, str(tmp_path))
+    steps = [r for r in _rows(tmp_path) if "compiles/step" in r]
+    assert len(steps) == 6
+    assert sum(r["partial/carried_samples"] for r in steps) > 0
+    assert max(r["partial/version_span_max"] for r in steps) >= 1
+    trained = [r for r in steps if r["partial/trained_groups"]]
+    assert len(trained) >= 4 and all(np.isfinite(r["loss"]) for r in trained)
+    for r in steps:
+        assert all(np.isfinite(v) for k, v in r.items() if k.startswith("partial/")
+                   or k.endswith("occupancy")), r
+        assert 0 < r["rollout/occupancy"] <= r["rollout/slot_occupancy"] <= 1
+    assert sum(r["partial/reprefill_tokens"] for r in steps) > 0
+    assert [r["compiles/step"] for r in steps[2:]] == [0] * 4, [r["compiles/step"] for r in steps]
+    assert compiles.since(before).get("jit(decode_steps)") == 1
+
+
+def test_resume_drops_the_carried_samples_and_counts_them(tmp_path, monkeypatch):
+    """The checkpoint does not save carried samples: the resumed run drops them, says how
+    many, and runs on. Its first step trains nothing (every group still running)."""
+    from lrl import metrics as metrics_lib
+    c = _loop_config(monkeypatch, steps=5, first_long=8)
+    write = metrics_lib.MetricsWriter.write
+
+    def write_then_sigterm(self, step, metrics, phase="grpo"):
+        scalars = write(self, step, metrics, phase)
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return scalars
+
+    monkeypatch.setattr(metrics_lib.MetricsWriter, "write", write_then_sigterm)
+    loop.run(c, str(tmp_path))
+    first, second, third = _rows(tmp_path)
+    assert first["partial/trained_groups"] == 0 and "loss" not in first
+    assert first["partial/carried_samples"] > 0    # (a sample may draw the end token)
+    assert second["partial/trained_groups"] > 0 and np.isfinite(second["loss"])
+    carried = third["partial/carried_samples"]
+    assert carried > 0
+    monkeypatch.setattr(metrics_lib.MetricsWriter, "write", write)
+    loop.run(c, str(tmp_path))
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[3]["partial/dropped_on_resume"] == carried
+    assert "partial/dropped_on_resume" not in rows[4] and np.isfinite(rows[4]["loss"])
