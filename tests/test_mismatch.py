@@ -4,7 +4,6 @@ the same numerics show none."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from lrl import models, rollout
 from lrl.data import packing

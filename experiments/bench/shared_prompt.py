@@ -184,7 +184,7 @@ def one(mode: str, P: int, a) -> dict:
     mesh = mesh_lib.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
     prompts, comps, adv, old = group(cfg, vl_cfg, P, a.group, a.answer, a.tokens_per_frame)
     micro, _ = rows(mode, vl_cfg, prompts, comps, adv, old)
-    extra_keys, hidden, extra = (), None, None
+    extra = None
     kw = {}
     if vl_cfg is not None:
         n = prompts[0].visual.count
