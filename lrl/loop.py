@@ -32,6 +32,7 @@ from lrl.rl import update as update_lib
 from lrl.rl.sft import make_sft_fn
 from lrl import rollout as rollout_lib
 from lrl.rollout import pages as pages_lib
+from lrl.rollout import partial as partial_lib
 from lrl.rollout import sp_prefill
 from lrl.rollout import weights as weights_lib
 from lrl.rollout.pages import pages_for
@@ -112,7 +113,8 @@ def _run_phases(r: Run) -> dict:
     elif state is None:
         state = _fresh_state(r, r.task.initial_params(), rl_tx)
     if rl_steps:
-        out["grpo"] = grpo_phase(r, state, rl_tx, sft_steps, rl_steps, data_state)
+        out["grpo"] = grpo_phase(r, state, rl_tx, sft_steps, rl_steps, data_state,
+                                 restored.path if restored else "")
     return out
 
 
@@ -258,8 +260,10 @@ def _bytes(tree) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
-def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> dict:
-    """GRPO steps (not optimizer updates: epochs x minibatches of those per step)."""
+def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
+               where: str = "") -> dict:
+    """GRPO steps (not optimizer updates: epochs x minibatches of those per step).
+    `where`: the checkpoint step directory `data_state` was read from (for its errors)."""
     opts = r.opts
     it = r.task.prompts("train")
     if data_state.get("prompt_iter"):
@@ -268,14 +272,7 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> 
     e = opts.eval
     held_out = r.task.eval_batches() if e.every else []
     step, metrics = int(data_state.get("step", 0)), {}
-    # Partial rollouts' carried samples are not saved: a resumed run drops them (their prompts
-    # were drawn already, so the data stream skips them) and says how many.
-    dropped = int(data_state.get("carried_samples", 0))
-    if dropped:
-        log.warning("resume: dropping %d carried partial-rollout samples", dropped)
-        r.writer.note(f"resume: {dropped} carried partial-rollout samples (of "
-                      f"{data_state.get('carried_groups', 0)} groups) were not saved; dropped")
-    carry = None
+    carry, dropped = _restore_carry(r, data_state, where)
     r.writer.begin_phase("grpo", step, opts)
     try:
         s = build_grpo(r, state, tx, pool)
@@ -309,11 +306,37 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict) -> 
 
 
 def _carried(carry) -> dict:
-    """What the checkpoint says of the carried groups (a resume drops them)."""
+    """The carried groups, saved with the checkpoint so a resume continues the same samples
+    (their prompts were drawn already: the data stream's position is past them), and their
+    counts (all a checkpoint from before they were saved has)."""
     if not carry:
         return {}
     return {"carried_samples": sum(not x.done for g in carry for x in g.samples),
-            "carried_groups": len(carry)}
+            "carried_groups": len(carry),
+            "carried": partial_lib.to_state(carry, tasks.prompt_to_state)}
+
+
+def _restore_carry(r: Run, data_state: dict, where: str):
+    """-> (the carried groups a checkpoint saved, or None; how many carried samples it had
+    but did not save: an older checkpoint's, dropped, logged, reported once)."""
+    if "carried" in data_state:
+        try:
+            carry = partial_lib.from_state(data_state["carried"], tasks.prompt_from_state)
+        except ValueError as e:
+            # The data item read as JSON (an unreadable one is quarantined and an older step
+            # restored, in `lrl.checkpoint`), yet its groups are not what this lrl saves. The
+            # step's arrays checked out, so falling back (redoing steps) is the person's call.
+            raise ckpt_lib.CheckpointError(
+                f"the carried partial-rollout groups in {os.path.join(where, 'data')} are "
+                f"malformed ({e}); move that step aside to resume from an older one") from e
+        return carry, 0
+    dropped = int(data_state.get("carried_samples", 0))
+    if dropped:
+        log.warning("resume: dropping %d carried partial-rollout samples", dropped)
+        r.writer.note(f"resume: {dropped} carried partial-rollout samples (of "
+                      f"{data_state.get('carried_groups', 0)} groups) were not saved by this "
+                      "checkpoint (older lrl); dropped")
+    return None, dropped
 
 
 def _samples(groups: grpo.Groups, n: int) -> list[dict]:

@@ -2,7 +2,9 @@
 samples carry on in the next step, re-prefilled. Greedy partial rollouts over several steps
 with unchanged weights give the tokens of one uninterrupted rollout; a carried sample's tokens,
 log-probs and versions are those of the policy that drew each; the staleness cap drops and
-counts; the loop runs with it on and compiles nothing new after its second step."""
+counts; the loop runs with it on and compiles nothing new after its second step; a resume after
+SIGTERM continues the carried samples the checkpoint saved and logs what the uninterrupted run
+logs."""
 import dataclasses
 import json
 import os
@@ -200,30 +202,113 @@ def test_tiny_loop_runs_with_partial_rollouts_and_compiles_nothing_after_step_tw
     assert compiles.since(before).get("jit(decode_steps)") == 1
 
 
-def test_resume_drops_the_carried_samples_and_counts_them(tmp_path, monkeypatch):
-    """The checkpoint does not save carried samples: the resumed run drops them, says how
-    many, and runs on. Its first step trains nothing (every group still running)."""
+def _run_cut(workdir, c, monkeypatch, at):
+    """Runs `c` in `workdir`, SIGTERMed once step `at` is logged (the handler only sets a
+    flag: the loop saves that step and stops), then resumed to the end. -> the rows the cut
+    run logged before the resume."""
     from lrl import metrics as metrics_lib
-    c = _loop_config(monkeypatch, steps=5, first_long=8)
     write = metrics_lib.MetricsWriter.write
 
     def write_then_sigterm(self, step, metrics, phase="grpo"):
         scalars = write(self, step, metrics, phase)
-        if step == 3:
+        if step == at:
             os.kill(os.getpid(), signal.SIGTERM)
         return scalars
 
     monkeypatch.setattr(metrics_lib.MetricsWriter, "write", write_then_sigterm)
-    loop.run(c, str(tmp_path))
-    first, second, third = _rows(tmp_path)
+    loop.run(c, str(workdir))
+    cut = _rows(workdir)
+    monkeypatch.setattr(metrics_lib.MetricsWriter, "write", write)
+    loop.run(c, str(workdir))
+    return cut
+
+
+def _compared(row):
+    # Wall times and compile counts differ between runs (a resumed run compiles again), and
+    # so does the engine's running count of pages allocated since it was built (per process).
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "compiles/"))
+            and not k.endswith("_s") and k != "rollout/pages_allocated"}
+
+
+def test_resume_after_sigterm_with_carried_samples_equals_the_uninterrupted_run(
+        tmp_path, monkeypatch):
+    """The checkpoint saves the carried groups: the resumed run continues the same samples and
+    logs what the uninterrupted run logs. Its first step trains nothing (every group still
+    running), covering a partial step without an update through the loop and its console."""
+    c = _loop_config(monkeypatch, steps=5, first_long=8)
+    loop.run(c, str(tmp_path / "straight"))
+    want = _rows(tmp_path / "straight")
+    restore = loop._restore_carry
+    resumed = []
+    monkeypatch.setattr(loop, "_restore_carry",
+                        lambda *a: resumed.append(restore(*a)) or resumed[-1])
+    c = _loop_config(monkeypatch, steps=5, first_long=8)   # the same lengths drawn again
+    first, second, third = _run_cut(tmp_path / "cut", c, monkeypatch, at=3)
     assert first["partial/trained_groups"] == 0 and "loss" not in first
     assert first["partial/carried_samples"] > 0    # (a sample may draw the end token)
     assert second["partial/trained_groups"] > 0 and np.isfinite(second["loss"])
+    assert third["partial/carried_samples"] > 0
+    # The resume really had carried samples to continue: those the cut run's step 3 carried.
+    (carry, dropped), = [x for x in resumed if x != (None, 0)]
+    assert dropped == 0 and len(carry) == third["partial/carried_groups"] \
+        + third["partial/carried_complete_groups"]
+    assert sum(not x.done for g in carry for x in g.samples) == third["partial/carried_samples"]
+    got = _rows(tmp_path / "cut")
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+    assert all("partial/dropped_on_resume" not in r for r in got)
+    assert all(np.isfinite(r["loss"]) for r in got[3:])
+    for a, b in zip(got, want):
+        a, b = _compared(a), _compared(b)
+        assert sorted(a) == sorted(b)
+        for k in a:
+            if isinstance(a[k], str):
+                assert a[k] == b[k], k
+            else:
+                np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_a_checkpoint_without_carried_groups_drops_its_carried_samples_and_counts_them(
+        tmp_path, monkeypatch):
+    """A checkpoint from before the carried groups were saved (only their counts): the
+    resumed run drops them, says how many, and runs on."""
+    real = loop._carried
+    monkeypatch.setattr(loop, "_carried",
+                        lambda carry: {k: v for k, v in real(carry).items() if k != "carried"})
+    c = _loop_config(monkeypatch, steps=4, first_long=8)
+    *_, third = _run_cut(tmp_path, c, monkeypatch, at=3)
     carried = third["partial/carried_samples"]
     assert carried > 0
-    monkeypatch.setattr(metrics_lib.MetricsWriter, "write", write)
-    loop.run(c, str(tmp_path))
     rows = _rows(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    assert rows[3]["partial/dropped_on_resume"] == carried
-    assert "partial/dropped_on_resume" not in rows[4] and np.isfinite(rows[4]["loss"])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[3]["partial/dropped_on_resume"] == carried and np.isfinite(rows[3]["loss"])
+
+
+def test_carried_groups_round_trip_through_the_data_state_and_refuse_what_would_not():
+    from lrl import checkpoint_items as ci
+    from lrl import tasks
+    p = Prompt(np.array([3, 4, 5], np.int32), "12", {"task": "arithmetic", "n": 2}, "1+11=")
+    done = partial.Sample(np.array([7, 8], np.int32), np.array([-0.1, -1e-7], np.float32),
+                          np.array([0, 1], np.int32), True)
+    groups = (partial.Pending(p, (done, partial.Sample())),)
+    # As the checkpoint writes and reads it: JSON, bytes as base64.
+    saved = json.loads(json.dumps(ci.encode_data(
+        partial.to_state(groups, tasks.prompt_to_state))))
+    (g,) = partial.from_state(ci.decode_data(saved), tasks.prompt_from_state)
+    assert (g.prompt.answer, g.prompt.meta, g.prompt.text) == ("12", p.meta, "1+11=")
+    np.testing.assert_array_equal(g.prompt.ids, p.ids)
+    for a, b in zip(g.samples, groups[0].samples):
+        assert a.done == b.done and a.logps.dtype == np.float32
+        for f in ("tokens", "logps", "versions"):
+            np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+    with pytest.raises(ValueError, match="embeds"):
+        tasks.prompt_to_state(dataclasses.replace(p, embeds=np.zeros((3, 2))))
+    with pytest.raises(ValueError, match="would not come back the same"):
+        tasks.prompt_to_state(dataclasses.replace(p, meta={"span": (1, 2)}))
+    with pytest.raises(ValueError, match="not JSON"):
+        tasks.prompt_to_state(dataclasses.replace(p, meta={"n": np.int64(2)}))
+    saved[0]["samples"][0]["versions"] = [0]
+    with pytest.raises(ValueError, match="carried group 0.*lengths"):
+        partial.from_state(ci.decode_data(saved), tasks.prompt_from_state)
+    # The loop names the file the malformed groups came from.
+    with pytest.raises(ci.CheckpointError, match="/ckpt/3/data .*carried group 0"):
+        loop._restore_carry(None, {"carried": ci.decode_data(saved)}, "/ckpt/3")

@@ -143,3 +143,36 @@ def carried_metrics(pending: tuple, version: int) -> dict:
             "partial/carried_complete_groups": sum(g.complete for g in pending),
             "partial/carried_age_mean": float(np.mean(ages)) if ages else 0.0,
             "partial/carried_age_max": float(max(ages)) if ages else 0.0}
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+def to_state(pending: tuple, prompt_to_state) -> list:
+    """The groups as JSON data for the checkpoint's data state, so a resume continues the same
+    samples: tokens and versions as ints, log-probs as their float32 bytes (bit-exact);
+    `prompt_to_state` turns each group's prompt into JSON (the task's, which knows its fields)."""
+    return [{"prompt": prompt_to_state(g.prompt),
+             "samples": [{"tokens": x.tokens.tolist(), "versions": x.versions.tolist(),
+                          "logps": np.asarray(x.logps, "<f4").tobytes(), "done": bool(x.done)}
+                         for x in g.samples]}
+            for g in pending]
+
+
+def from_state(state: list, prompt_from_state) -> tuple:
+    """The inverse of `to_state`; a malformed entry raises ValueError naming the group."""
+    out = []
+    for i, g in enumerate(state):
+        try:
+            samples = []
+            for x in g["samples"]:
+                tokens = np.asarray(x["tokens"], np.int32)
+                logps = np.frombuffer(x["logps"], "<f4").astype(np.float32)
+                versions = np.asarray(x["versions"], np.int32)
+                if not tokens.ndim == 1 or not tokens.shape == logps.shape == versions.shape:
+                    raise ValueError(f"tokens, log-probs and versions of lengths "
+                                     f"{tokens.shape}, {logps.shape}, {versions.shape}")
+                samples.append(Sample(tokens, logps, versions, bool(x["done"])))
+            out.append(Pending(prompt_from_state(g["prompt"]), tuple(samples)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"carried group {i}: {type(e).__name__}: {e}") from e
+    return tuple(out)

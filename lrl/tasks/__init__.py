@@ -20,6 +20,7 @@ P prompts · G samples per prompt · T positions · D model width.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Optional
 
 import numpy as np
@@ -35,6 +36,29 @@ class Prompt:
     embeds: Optional[Any] = None          # [T, D] input embeddings (multimodal prompts)
     positions: Optional[np.ndarray] = None  # [3, T] M-RoPE positions (multimodal prompts)
     visual: Optional[Any] = None          # the task's per-prompt data for its update rows
+
+
+def prompt_to_state(p: Prompt) -> dict:
+    """A text prompt as JSON (a partial rollout's carried group, saved with the checkpoint).
+    What would not come back the same (multimodal inputs, meta that is not plain JSON) is
+    refused here, at the save, rather than changed silently."""
+    for name in ("embeds", "positions", "visual"):
+        if getattr(p, name) is not None:
+            raise ValueError(f"a carried prompt has {name}: only text prompts can be saved "
+                             "with the checkpoint")
+    d = {"answer": p.answer, "meta": p.meta, "text": p.text}
+    try:
+        same = json.loads(json.dumps(d)) == d
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"a carried prompt's {d!r} is not JSON: {e}") from e
+    if not same:
+        raise ValueError(f"a carried prompt's {d!r} would not come back the same from JSON "
+                         "(tuples, non-string keys?)")
+    return {"ids": np.asarray(p.ids).tolist(), **d}
+
+
+def prompt_from_state(d: dict) -> Prompt:
+    return Prompt(np.asarray(d["ids"], np.int32), d["answer"], d["meta"], d["text"])
 
 
 def build(opts, workdir: str, mesh):
