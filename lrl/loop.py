@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import logging
 import os
+from typing import Callable
 
 import jax
 import numpy as np
@@ -124,9 +125,12 @@ def _fresh_state(r: Run, params, tx):
     return jax.device_put(state, train_lib.train_state_shardings(r.task.model_cfg, tx, r.mesh))
 
 
-def _checkpoint(r: Run, step: int, state, data_state: dict, force: bool = False):
+def _checkpoint(r: Run, step: int, state, data_state: Callable[[], dict],
+                force: bool = False):
+    """`data_state` is called only when this step saves: with partial rollouts it serializes
+    every carried sample, work a step that saves nothing should not do."""
     if force or r.ckpt.should_save(step):
-        r.ckpt.save(step, state, data_state={**data_state, "task": r.task.state()},
+        r.ckpt.save(step, state, data_state={**data_state(), "task": r.task.state()},
                     config=r.config, model_config=r.task.model_cfg)
 
 
@@ -149,7 +153,7 @@ def sft_phase(r: Run, state, tx, steps: int, data_state: dict):
         metrics = r.writer.write(step, jax.device_get(m), phase="sft")
         distributed.beat(f"sft step {step}")
         stopped = r.guard.should_stop(step)
-        _checkpoint(r, step, state, {"phase": "sft", "sft_iter": it.get_state()},
+        _checkpoint(r, step, state, lambda: {"phase": "sft", "sft_iter": it.get_state()},
                     force=stopped or step == steps)
         if stopped:
             break
@@ -291,9 +295,9 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
             distributed.beat(f"grpo step {offset + step}")
             r.writer.samples(offset + step, _samples(groups, opts.metrics.samples_per_step))
             stopped = r.guard.should_stop(offset + step)
-            _checkpoint(r, offset + step, state, {"phase": "grpo", "step": step,
-                                                  "prompt_iter": it.get_state(),
-                                                  **_carried(carry)},
+            _checkpoint(r, offset + step, state, lambda: {"phase": "grpo", "step": step,
+                                                          "prompt_iter": it.get_state(),
+                                                          **_carried(carry)},
                         force=stopped or step == steps)
             if stopped:
                 log.info("stopping at step %d on request (SIGTERM); checkpoint saved",
