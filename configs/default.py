@@ -185,6 +185,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         prefill_tokens=2048,         # tokens of one prefill call: prompts share its rows
         sp_min_tokens=0,             # with ring/ulysses over seq > 1: prompts of at least this
                                      # many tokens are prefilled sequence-parallel
+        narrow_decode=True,          # the tail's decode calls compute only the live slots' rows
+                                     # (programs for a quarter, a sixteenth, ... of the slots)
         # Partial rollouts: a step's rollout stops once rl.prompts_per_step groups have
         # finished (or partial_tokens are spent) instead of waiting for the longest sample;
         # the unfinished samples carry on in the next step under the new weights, each token

@@ -117,7 +117,9 @@ class Setup:
     ref_params: object = None     # the frozen reference, when KL is on
     engine: object = None         # the run's rollout engine (None: one per call, sized for it)
     decode: object = None         # rollout.weights.DecodeWeights for that engine
-    max_new_fn: Optional[Callable] = None   # benchmarks only: a sample's forced length
+    # Benchmarks only: a sample's forced length, from its key (its prompt's ids as bytes, its
+    # index in the group), as if its end token came there; a carried sample samples the rest.
+    max_new_fn: Optional[Callable[[tuple], int]] = None
 
 
 # ----------------------------------------------------------------------------- rollout
@@ -126,6 +128,10 @@ def _generate(s: Setup, params, ids: list, *, group_size: int, seed: int,
               temperature: Optional[float] = None, stats: Optional[dict] = None, **kw):
     """`rollout.generate` with the run's engine and sampling settings."""
     rl_ = s.rl
+    forced = kw.pop("max_new_fn", None)
+    if forced is None and s.max_new_fn is not None:   # sample ids are p * G + g
+        forced = lambda sid: s.max_new_fn(  # noqa: E731
+            (np.asarray(ids[sid // group_size], np.int32).tobytes(), sid % group_size))
     return rollout.generate(
         s.model_cfg, params, ids, max_new_tokens=rl_.max_new_tokens, num_samples=group_size,
         temperature=rl_.temperature if temperature is None else temperature,
@@ -134,7 +140,7 @@ def _generate(s: Setup, params, ids: list, *, group_size: int, seed: int,
         pool_tokens=s.rollout.pool_tokens or None, mesh=s.mesh, stats=stats,
         prefill_fn=s.prefill, engine=s.engine,
         decode_params=s.decode.refresh(params) if s.decode is not None else None,
-        max_new_fn=s.max_new_fn, **kw)
+        max_new_fn=forced, **kw)
 
 
 def _truncated(s: Setup, completions) -> np.ndarray:
@@ -175,8 +181,15 @@ def partial_rollout(s: Setup, params, carry: tuple, new_prompts: list, step: int
     reprefill = sum(x.tokens.size for g in pending for x in g.samples if not x.done)
     if ids and sum(g.complete for g in pending) < P:
         unfinished = []
+        forced = None
+        if s.max_new_fn is not None:   # sample ids run on over the requests in order
+            who = [ij for per in index for ij in per]
+            forced = lambda sid: max(1, s.max_new_fn(  # noqa: E731
+                (np.asarray(pending[who[sid][0]].prompt.ids, np.int32).tobytes(), who[sid][1]))
+                - pending[who[sid][0]].samples[who[sid][1]].tokens.size)
         outs = _generate(s, params, ids, group_size=G, seed=seed, stats=stats,
                          samples_per_prompt=counts, max_new_per_prompt=max_new,
+                         max_new_fn=forced,
                          stop_fn=partial.stop_rule(pending, index, P, ro.partial_tokens),
                          unfinished=unfinished)
         pending = partial.advance(pending, index, outs, unfinished, step)

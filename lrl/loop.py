@@ -250,12 +250,15 @@ def _engine(r: Run, state, reserve: int = 0):
         cfg, max_prompt_len=prompt, max_new_tokens=new, max_slots=ro.max_slots,
         num_pages=num_pages, page_size=ps, prefill_tokens=ro.prefill_tokens,
         eos_ids=r.eos_ids,
-        sampling=rollout_lib.SamplingParams(rl_.temperature, rl_.top_k, rl_.top_p))
+        sampling=rollout_lib.SamplingParams(rl_.temperature, rl_.top_k, rl_.top_p),
+        narrow_widths=None if ro.narrow_decode else ())
     engine = rollout_lib.Engine(cfg, ecfg, r.mesh)
     engine.keep_state(engine.take_state())
+    tail = (f", tail decode calls of {'/'.join(map(str, ecfg.narrow_widths))} rows"
+            if ecfg.narrow_widths else "")
     r.writer.note(f"rollout engine: {ro.max_slots} slots, a pool of {num_pages * ps} tokens "
                   f"({num_pages} pages of {ps}), prefill calls of {ecfg.rows_per_prefill} x "
-                  f"{ecfg.prefill_chunk} tokens")
+                  f"{ecfg.prefill_chunk} tokens{tail}")
     return engine, decode
 
 

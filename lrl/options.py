@@ -302,6 +302,7 @@ class RolloutOptions:
     pool_fraction: float = _opt(gt=0, le=1)   # of the device memory free after the train state
     prefill_tokens: int = _opt(ge=16)   # tokens of one prefill call (rows x chunk)
     sp_min_tokens: int = _opt(ge=0)     # prompts this long prefill over seq (ring/ulysses)
+    narrow_decode: bool = _opt()        # tail decode calls compute the live rows alone
     partial: bool = _opt()              # carry unfinished samples into the next step
     partial_tokens: int = _opt(ge=0)    # decode tokens a step samples at most; 0 = no budget
     max_staleness: int = _opt(ge=0)     # policy versions a carried group may span, then dropped

@@ -411,3 +411,28 @@ def test_pages_grow_and_preempted_samples_draw_the_same_tokens(tiny):
         if lengths[0] == 7:
             n = steps.decode_steps._cache_size()
     assert steps.decode_steps._cache_size() == n and engine.pool.all_free()
+
+
+def test_tail_decode_calls_on_the_live_rows_draw_the_same_tokens(tiny):
+    """Once no sample waits, decode calls compute only the live slots' rows (narrower
+    programs, `EngineConfig.narrow_widths`): every sample draws what it draws when each call
+    computes all slots, and the rows computed are fewer."""
+    _, cfg, params, _ = tiny("qwen2")
+    prompts = _prompts(cfg, [7, 3, 10, 6, 5], seed=5)
+    lengths = {i: n for i, n in enumerate([2, 20, 3, 1, 5, 24, 2, 2, 9, 4])}
+    kw = dict(max_new_tokens=24, num_samples=2, temperature=1.0, max_slots=8, seed=2,
+              max_new_fn=lengths.get, **SMALL)
+    full, narrow = {}, {}
+    want = rollout.generate(cfg, params, prompts, narrow_widths=(), stats=full, **kw)
+    got = rollout.generate(cfg, params, prompts, narrow_widths=(2, 4), stats=narrow, **kw)
+    assert full["narrow_calls"] == 0 and narrow["narrow_calls"] > 0
+    for a, b in zip(want, got):
+        for (ta, la), (tb, lb) in zip(a, b):
+            np.testing.assert_array_equal(ta, tb)
+            np.testing.assert_allclose(la, lb, atol=1e-5)
+    assert [len(t) for s in got for t, _ in s] == [lengths[i] for i in range(10)]
+    assert narrow["sampled_tokens"] == full["sampled_tokens"]
+    assert narrow["computed_rows"] < full["computed_rows"]
+    assert narrow["row_occupancy"] > full["row_occupancy"] == full["slot_occupancy"]
+    with pytest.raises(ValueError, match="narrow_widths"):
+        EngineConfig(max_slots=4, narrow_widths=(4,))

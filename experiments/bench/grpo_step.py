@@ -37,6 +37,7 @@ import os
 import random
 import sys
 import time
+import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # This folder's profile.py would shadow the standard library's (torch imports cProfile).
@@ -78,7 +79,9 @@ def make_config(a):
                 row_len=0, max_tokens_per_micro=a.budget)
     c.reward.update(spec="bench_coin:1.0", num_workers=0)
     c.rollout.update(max_slots=a.slots, pool_tokens=0, pool_fraction=a.pool_fraction,
-                     prefill_tokens=a.prefill_tokens, sp_min_tokens=0)
+                     prefill_tokens=a.prefill_tokens, sp_min_tokens=0,
+                     narrow_decode=not a.no_narrow, partial=a.partial,
+                     partial_tokens=a.partial_tokens if a.partial else 0)
     c.eval.every = 0
     c.checkpoint.update(every_steps=0, every_minutes=0.0)
     c.metrics.update(tensorboard=False, samples_per_step=0)
@@ -87,11 +90,14 @@ def make_config(a):
 
 
 def lengths_fn(mean: float, cap: int, seed: int):
-    """Forced response lengths: log-normal with sigma 1 and `mean` before the cap."""
-    rng = random.Random(seed)
+    """Forced response lengths: log-normal with sigma 1 and `mean` before the cap, one draw a
+    sample, from its key (its prompt and its index in the group), so that a sample carried
+    over steps (`--partial`) keeps its length."""
     mu = math.log(mean) - 0.5
 
-    def length(sample_id: int) -> int:
+    def length(key: tuple) -> int:
+        prompt, g = key
+        rng = random.Random(zlib.crc32(prompt) * 1_000_003 + g * 7919 + seed)
         return max(1, min(cap, int(rng.lognormvariate(mu, 1.0))))
     return length
 
@@ -145,6 +151,13 @@ def main():
     ap.add_argument("--update-mfu", type=float, default=0.60)
     ap.add_argument("--workdir", default="/tmp/lrl-bench-grpo-step")
     ap.add_argument("--json", default="", help="also write the rows here")
+    ap.add_argument("--partial", action="store_true",
+                    help="rollout.partial: stop once prompts_per_step groups are done, carry the rest")
+    ap.add_argument("--partial-tokens", type=int, default=-1,
+                    help="rollout.partial_tokens with --partial (-1: prompts x group x mean, "
+                         "what a step trains on average)")
+    ap.add_argument("--no-narrow", action="store_true",
+                    help="rollout.narrow_decode=False: every decode call computes all slots")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     defaults = {"short": (300, 1024), "long": (4096, 16384)}
@@ -153,6 +166,8 @@ def main():
         mean, cap, a.prompts, a.group, a.slots, a.steps = 12, 24, 4, 2, 8, 3
         a.prompt, a.prefill_tokens, a.chunk = 64, 256, 128
     a.mean, a.cap = a.mean or mean, a.cap or cap
+    if a.partial_tokens < 0:
+        a.partial_tokens = int(a.prompts * a.group * min(a.mean, a.cap))
 
     import logging
 
@@ -187,11 +202,13 @@ def main():
     out = []
     print(f"\n{a.case}: {jax.devices()[0].device_kind} x {n_dev}, jax {jax.__version__}, "
           f"{cfg.num_params() / 1e9:.2f}B params, {a.prompts} prompts x {a.group}, responses "
-          f"log-normal mean {a.mean:.0f} cap {a.cap}, {a.slots} slots, wall {wall:.0f} s")
+          f"log-normal mean {a.mean:.0f} cap {a.cap}, {a.slots} slots, "
+          f"{'partial' if a.partial else 'synchronous'} rollout, tail decode "
+          f"{'all slots' if a.no_narrow else 'narrowed'}, wall {wall:.0f} s")
     print("| step | s | rollout s | logprob s | update s | host s | gen tok | trained tok | "
-          "resp mean | occupancy | pack fill | micro | compiles | trained tok/s/GPU | MFU | "
-          "composition |")
-    print("|" + "---|" * 16)
+          "resp mean | occupancy | row occ. | decode steps | ms/step | carried | pack fill | "
+          "micro | compiles | trained tok/s/GPU | MFU | composition |")
+    print("|" + "---|" * 20)
     for r in rows:
         flops, predicted, decode_s = flops_and_prediction(r, cfg, a)
         step_s = r["time/step_s"]
@@ -207,12 +224,19 @@ def main():
                    mfu=flops / (step_s * a.peak_tflops * 1e12 * n_dev),
                    composition=predicted / step_s, predicted_s=predicted,
                    predicted_decode_s=decode_s, decode_steps=r.get("rollout/decode_steps"),
-                   decode_s=r.get("rollout/decode_s"), prefill_s=r.get("rollout/prefill_s"))
+                   decode_s=r.get("rollout/decode_s"), prefill_s=r.get("rollout/prefill_s"),
+                   row_occupancy=r.get("rollout/row_occupancy", float("nan")),
+                   narrow_calls=r.get("rollout/narrow_calls", 0),
+                   carried=r.get("partial/carried_samples", 0))
+        steps_n = rec["decode_steps"] or 0
+        rec["ms_per_decode_step"] = 1e3 * (rec["decode_s"] or 0) / max(1, steps_n)
         out.append(rec)
         print(f"| {rec['step']} | {step_s:.1f} | {rec['rollout_s']:.1f} | "
               f"{rec['logprob_s']:.1f} | {rec['update_s']:.1f} | {host:.1f} | "
               f"{rec['generated']:.0f} | {rec['trained']:.0f} | {rec['length_mean']:.0f} | "
-              f"{rec['occupancy']:.0%} | {rec['fill']:.0%} | {rec['micro']:.0f} | "
+              f"{rec['occupancy']:.0%} | {rec['row_occupancy']:.0%} | {steps_n:.0f} | "
+              f"{rec['ms_per_decode_step']:.2f} | {rec['carried']:.0f} | "
+              f"{rec['fill']:.0%} | {rec['micro']:.0f} | "
               f"{rec['compiles']:.0f} (+{rec['compiles_step']:.0f}) | {rec['tok_s_gpu']:.0f} | "
               f"{rec['mfu']:.1%} | {rec['composition']:.2f} |")
     if a.json:

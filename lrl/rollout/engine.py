@@ -47,10 +47,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lrl.models.config import ModelConfig
 from lrl.models.flash import MAX_SEGMENTS
 from lrl.rollout import paged_attention as pa
+from lrl.rollout import paged_kernel
 from lrl.rollout.pages import NULL_PAGE, PagePool, pages_for
 # The device half; EngineConfig, DecodeState and StepOutput are re-exported from here.
 from lrl.rollout.steps import (DecodeState, EngineConfig, StepOutput, _zero_state, deactivate,
-                               decode_steps, insert_slots, prefill_chunk, prefill_packed)
+                               decode_rows, decode_steps, insert_slots, prefill_chunk,
+                               prefill_packed)
 from lrl.rollout.weights import decode_params
 
 __all__ = ["DecodeState", "Engine", "EngineConfig", "Prefix", "SlotPlan", "StepOutput"]
@@ -97,6 +99,18 @@ class SlotPlan:
     copy_src: int             # the prompt's partial page, or the null page
     copy_dst: int
     remaining: Optional[int] = None   # tokens it samples at most (None: max_new_tokens)
+
+
+def k_splits(slots: int, kv_programs: int, programs: int = 512) -> int:
+    """Kernel programs are slots x kv-head programs x splits: aim for about `programs`, from 1
+    to 16 splits, a power of two. Many slots fill the GPU unsplit, and splitting them was
+    slower (256 slots: 1 split faster than 2 or 4); a few long rows need the splits (16 rows of
+    8K tokens: 16 faster than 8). Qwen2.5-1.5B shapes; BENCHMARKS.md, "Decode layout of the
+    weights", the fourth session's kernel table, and "Measurements once quoted in the code"."""
+    k = 1
+    while k < 16 and slots * kv_programs * k < programs:
+        k *= 2
+    return k
 
 
 # Prompts a packed prefill row may hold: cuDNN's packed layout takes MAX_SEGMENTS runs a row,
@@ -381,23 +395,38 @@ class Engine:
         return decode_params(self.cfg, params, self.mesh)
 
     def generate(self, params, decode_state: DecodeState, rng, num_steps: int = 1,
-                 sampling=None, eos_ids=None):
+                 sampling=None, eos_ids=None, rows=None):
         """-> (decode_state, StepOutput [num_steps, B]) for every live slot. `params` in the
         training layout work too, slower: prefer `decode_params(params)`, once per rollout.
         `sampling` / `eos_ids` override the engine config's for this call (another compiled
-        decode program for each distinct setting).
+        decode program for each distinct setting). `rows`: the slots that may be live (every
+        other one idle); when they fit one of `narrow_widths`, only that many rows are
+        decoded (`decode_rows`), the output still [num_steps, B].
 
         If a Pallas kernel (attention or sampling) fails to lower (an unsupported shape or jax
         version), the engine warns once and continues with the XLA paths; `self.fallback` says
         why."""
         over = {k: v for k, v in (("sampling", sampling), ("eos_ids", eos_ids)) if v is not None}
         ecfg = dataclasses.replace(self.ecfg, **over) if over else self.ecfg
+        width = self.width_for(len(rows)) if rows is not None else ecfg.max_slots
+        if width < ecfg.max_slots:
+            ecfg = self._narrow_ecfg(ecfg, width)
+            idle = [s for s in range(ecfg.max_slots) if s not in set(rows)]
+            rows_W = np.asarray(list(rows) + idle[:width - len(rows)], np.int32)
+            step = lambda e: decode_rows(self.cfg, e, params, decode_state, rng,  # noqa: E731
+                                         rows_W, num_steps=num_steps)
+            lower = lambda e: decode_rows.lower(self.cfg, e, params, decode_state,  # noqa: E731
+                                                rng, rows_W, num_steps=num_steps)
+        else:
+            step = lambda e: decode_steps(self.cfg, e, params, decode_state, rng,  # noqa: E731
+                                          num_steps=num_steps)
+            lower = lambda e: decode_steps.lower(self.cfg, e, params, decode_state,  # noqa: E731
+                                                 rng, num_steps=num_steps)
         on_gpu = ecfg.attention_impl in pa.PALLAS or ecfg.sampling_impl == "pallas"
         if not on_gpu or self._pallas_ok:
-            return decode_steps(self.cfg, ecfg, params, decode_state, rng, num_steps=num_steps)
+            return step(ecfg)
         try:   # lowering errors surface before dispatch, so the donated state is intact
-            decode_steps.lower(self.cfg, ecfg, params, decode_state, rng,
-                               num_steps=num_steps).compile()
+            lower(ecfg).compile()
             self._pallas_ok = True
         except Exception as e:  # noqa: BLE001
             self.fallback = f"{type(e).__name__}: {e}"[:500]
@@ -405,7 +434,24 @@ class Engine:
                           f"{self.fallback}")
             self.ecfg = dataclasses.replace(self.ecfg, attention_impl="xla", sampling_impl="xla")
             ecfg = dataclasses.replace(ecfg, attention_impl="xla", sampling_impl="xla")
-        return decode_steps(self.cfg, ecfg, params, decode_state, rng, num_steps=num_steps)
+        return step(ecfg)
+
+    def width_for(self, live: int) -> int:
+        """Rows a decode call computes for `live` slots: the narrowest of `narrow_widths`
+        that holds them, else all `max_slots`."""
+        fits = [w for w in self.ecfg.narrow_widths if w >= live]
+        return min(fits) if fits else self.ecfg.max_slots
+
+    def _narrow_ecfg(self, ecfg: EngineConfig, width: int) -> EngineConfig:
+        """The config of a W-row decode call: the attention kernel's kv splits chosen for W
+        rows (fewer rows want more splits to fill the GPU) where the page table's width stays
+        the same."""
+        c = self.cfg
+        kv_programs = c.n_kv_heads // paged_kernel.kv_heads_per_program(
+            c.n_heads, c.n_kv_heads, ecfg.pallas_kv_per_program)
+        narrow = dataclasses.replace(ecfg, pallas_k_splits=max(
+            ecfg.pallas_k_splits, k_splits(width, kv_programs)))
+        return narrow if narrow.pages_per_slot == ecfg.pages_per_slot else ecfg
 
     # ---- the state kept between rollouts
     def take_state(self) -> DecodeState:

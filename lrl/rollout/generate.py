@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from lrl.models.config import ModelConfig
-from lrl.rollout.engine import Engine, EngineConfig
+from lrl.rollout.engine import Engine, EngineConfig, k_splits
 from lrl.rollout.pages import num_pages_for_memory, num_pages_for_tokens, pages_for
 from lrl.rollout.paged_kernel import kv_heads_per_program
 from lrl.rollout.sampling import SamplingParams
@@ -62,18 +62,6 @@ def _pool_pages(cfg, prompts, max_new, page_size, slots, pool_tokens, pool_fract
     return prompt_pages + slots * (pages_for(max_new, page_size) + 1) + 1
 
 
-def _k_splits(slots: int, kv_programs: int, programs: int = 512) -> int:
-    """Kernel programs are slots x kv-head programs x splits: aim for about `programs`, from 1
-    to 16 splits, a power of two. Many slots fill the GPU unsplit, and splitting them was
-    slower (256 slots: 1 split faster than 2 or 4); a few long rows need the splits (16 rows of
-    8K tokens: 16 faster than 8). Qwen2.5-1.5B shapes; BENCHMARKS.md, "Decode layout of the
-    weights", the fourth session's kernel table, and "Measurements once quoted in the code"."""
-    k = 1
-    while k < 16 and slots * kv_programs * k < programs:
-        k *= 2
-    return k
-
-
 def engine_config(cfg: ModelConfig, *, max_prompt_len: int, max_new_tokens: int,
                   max_slots: int, num_pages: int, page_size: int = 16,
                   prefill_chunk: Optional[int] = None, prefill_tokens: int = 16384,
@@ -84,12 +72,14 @@ def engine_config(cfg: ModelConfig, *, max_prompt_len: int, max_new_tokens: int,
                   pallas_k_splits: Optional[int] = None, pallas_warps: int = 4,
                   pallas_stages: int = 1, pallas_kv_per_program: int = 1,
                   layer_unroll: int = 1, fused_decode: bool = False,
-                  sampling_impl: Optional[str] = None) -> EngineConfig:
+                  sampling_impl: Optional[str] = None,
+                  narrow_widths: Optional[Sequence[int]] = None) -> EngineConfig:
     """An engine's configuration from the sizes it must serve: prompts of at most
     `max_prompt_len` tokens with `max_new_tokens` more, `max_slots` decode rows, a pool of
     `num_pages`. A prefill call is [R, C]: C = `prefill_chunk` (None: the longest prompt's
     cached tokens, a power of two from 16 to 4096), R = `prefill_tokens` // C, and no more
-    rows than `max_prompts` prompts fill (when given)."""
+    rows than `max_prompts` prompts fill (when given). `narrow_widths` (None: a quarter of the
+    slots, a sixteenth, ..., down to 16 rows) are the tail's narrower decode calls."""
     if prefill_chunk is None:
         prefill_chunk = min(4096, max(16, 1 << max(0, max_prompt_len - 2).bit_length()))
     rows = max(1, prefill_tokens // prefill_chunk)
@@ -105,11 +95,23 @@ def engine_config(cfg: ModelConfig, *, max_prompt_len: int, max_new_tokens: int,
         sampling=sampling, attention_impl=attention_impl,
         decode_block_pages=decode_block_pages, prefill_block_pages=prefill_block_pages,
         layer_unroll=layer_unroll,
-        pallas_k_splits=pallas_k_splits or _k_splits(max_slots, cfg.n_kv_heads // kv_heads_per_program(
+        pallas_k_splits=pallas_k_splits or k_splits(max_slots, cfg.n_kv_heads // kv_heads_per_program(
             cfg.n_heads, cfg.n_kv_heads, pallas_kv_per_program)),
         pallas_warps=pallas_warps, pallas_stages=pallas_stages,
         pallas_kv_per_program=pallas_kv_per_program, fused_decode=fused_decode,
-        sampling_impl=sampling_impl)
+        sampling_impl=sampling_impl,
+        narrow_widths=tuple(sorted(set(narrow_widths))) if narrow_widths is not None
+        else _tail_widths(max_slots))
+
+
+def _tail_widths(slots: int, smallest: int = 16) -> tuple[int, ...]:
+    """A quarter of the slots, a sixteenth, ..., while at least `smallest` rows: each width is
+    one more compiled decode program, used once at most that many slots are live."""
+    widths, w = [], slots // 4
+    while w >= smallest:
+        widths.append(w)
+        w //= 4
+    return tuple(sorted(widths))
 
 
 def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int,
@@ -131,7 +133,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
              reserve_pages: bool = False, samples_per_prompt: Optional[Sequence[int]] = None,
              max_new_per_prompt: Optional[Sequence[int]] = None,
              stop_fn: Optional[Callable[[list, int], bool]] = None,
-             unfinished: Optional[list] = None):
+             unfinished: Optional[list] = None,
+             narrow_widths: Optional[Sequence[int]] = None):
     """-> [P][G] list of (token ids int32, log-probs float32) per sample.
 
     Partial rollouts (`lrl.rollout.partial`): `samples_per_prompt` gives each prompt its own
@@ -149,6 +152,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     (`lrl.rollout.weights.DecodeWeights`), else they are relaid here. Without an engine one is
     built for this call, sized for these prompts. `max_new_fn(sample_id) -> n` (benchmarks
     only) stops sample p * G + g after n <= max_new_tokens tokens, as if its end token came.
+
+    `narrow_widths` (None: `engine_config`'s) are the narrower decode calls of the tail: once
+    no sample waits and at most W slots are live, a call computes W rows, not all the slots.
 
     A slot's pages grow with its sample, a decode call's worth ahead of it; when the pool
     runs short, the youngest samples are preempted (their pages freed) and run again from
@@ -214,7 +220,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             layer_unroll=layer_unroll, pallas_k_splits=pallas_k_splits,
             pallas_warps=pallas_warps, pallas_stages=pallas_stages,
             pallas_kv_per_program=pallas_kv_per_program, fused_decode=fused_decode,
-            sampling_impl=sampling_impl)
+            sampling_impl=sampling_impl, narrow_widths=narrow_widths)
         engine = Engine(cfg, ecfg, mesh)
     B = engine.ecfg.max_slots
     for i, p in enumerate(prompts):
@@ -242,8 +248,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     # each sample holds all it may write from the start: fewer samples fit, none is preempted.
     grow = not reserve_pages
 
-    def collect(state, out):
+    def collect(state, call):
         """Appends a decode call's tokens to their samples; frees the slots that finished."""
+        out, width = call
         # Only transfers here: a jax op on `out` would queue behind the call in flight.
         tokens, logps, valid, active = jax.device_get(
             (out.tokens, out.logps, out.valid, out.active))
@@ -270,7 +277,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                 owner[s] = None
                 admitted.remove(s)
                 done.append(s)
-        st["decode_steps"] += int(valid.any(axis=0).sum())
+        steps_run = int(valid.any(axis=0).sum())
+        st["decode_steps"] += steps_run
+        st["computed_rows"] += steps_run * width   # rows the steps computed, idle ones included
         st["sampled_tokens"] += int(valid.sum())
         if done:
             state = engine.free(state, done)
@@ -397,9 +406,15 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         # idle while the host reads tokens back. With the decode loop's condition on the
         # device (`steps._DECODE_OPTIONS`), steps were faster than when every call was
         # collected before the next was launched (BENCHMARKS.md, "Sixth session", "Overlap").
+        # With no sample waiting, no slot fills before the next call: a call computes only the
+        # live rows (a narrower program, `EngineConfig.narrow_widths`) once they fit one.
+        rows = None if queue or redo else sorted(admitted)
+        width = engine.width_for(len(rows)) if rows is not None else B
         state, out = engine.generate(dparams, state, rng, num_steps=steps_per_call,
-                                     sampling=sampling, eos_ids=eos)
+                                     sampling=sampling, eos_ids=eos, rows=rows)
+        out = (out, width)
         st["decode_calls"] += 1
+        st["narrow_calls"] += width < B
         st["live_slots_at_calls"] += len(admitted)
         if queue or redo:
             if in_flight is not None:
@@ -449,6 +464,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                      # the share of decode-step rows live, what preemption then threw away
                      # included: the slot occupancy over the rollout
                      slot_occupancy=st["sampled_tokens"] / max(1, st["decode_steps"] * B),
+                     # the share of the rows the decode steps computed that sampled a token
+                     # (narrow tail calls compute fewer rows than the slots)
+                     row_occupancy=st["sampled_tokens"] / max(1, st["computed_rows"]),
                      attention_impl=engine.ecfg.attention_impl,
                      attention_fallback=engine.fallback,
                      sampling_impl=engine.ecfg.sampling_impl,

@@ -69,6 +69,10 @@ class EngineConfig:
     # block size tried, 8 pages a block the least slow (BENCHMARKS.md, "Sixth session", "A
     # fused decode kernel").
     fused_decode: bool = False
+    # Narrower decode programs for a rollout's tail: once no sample waits and at most W slots
+    # are live, a call decodes just those W rows (`decode_rows`), each width compiled once.
+    # Every row of a decode step costs its share of the matmuls and the sampler, live or not.
+    narrow_widths: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.prefill_chunk < 1 or self.prefill_chunk & (self.prefill_chunk - 1):
@@ -87,6 +91,9 @@ class EngineConfig:
         if self.pallas_kv_per_program < 0:
             raise ValueError(f"pallas_kv_per_program must be >= 0 (0: automatic), got "
                              f"{self.pallas_kv_per_program}")
+        if any(not 1 <= w < self.max_slots for w in self.narrow_widths):
+            raise ValueError(f"narrow_widths must lie in [1, max_slots={self.max_slots}), got "
+                             f"{self.narrow_widths}")
         if self.attention_impl not in (None, *pa.IMPLS, *(f"{k}_interpret" for k in pa.PALLAS)):
             raise ValueError(f"attention_impl={self.attention_impl!r}; choose None or {pa.IMPLS}")
         if self.sampling_impl not in (None, *SAMPLING_IMPLS):
@@ -333,10 +340,8 @@ def _decode_step(cfg, ecfg, params, state: DecodeState, rng):
     return state, (tok_B, logp_B, live)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ecfg", "num_steps"),
-                   donate_argnames=("state",), compiler_options=_DECODE_OPTIONS)
-def decode_steps(cfg, ecfg, params, state: DecodeState, rng, num_steps: int):
-    """Up to `num_steps` decode steps; stops early once no slot is live."""
+def _decode_loop(cfg, ecfg, params, state: DecodeState, rng, num_steps: int):
+    """Up to `num_steps` decode steps of every row of `state`; stops early once none is live."""
     B = state.tokens.shape[0]
     out = StepOutput(jnp.zeros((num_steps, B), jnp.int32), jnp.zeros((num_steps, B), jnp.float32),
                      jnp.zeros((num_steps, B), bool), state.active)
@@ -353,6 +358,37 @@ def decode_steps(cfg, ecfg, params, state: DecodeState, rng, num_steps: int):
         return i + 1, st, o
 
     _, state, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out))
+    return state, out
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ecfg", "num_steps"),
+                   donate_argnames=("state",), compiler_options=_DECODE_OPTIONS)
+def decode_steps(cfg, ecfg, params, state: DecodeState, rng, num_steps: int):
+    """Up to `num_steps` decode steps of all B slots; stops early once no slot is live."""
+    return _decode_loop(cfg, ecfg, params, state, rng, num_steps)
+
+
+_SLOT_FIELDS = DecodeState._fields[2:]   # the per-slot arrays: all but the pool
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ecfg", "num_steps"),
+                   donate_argnames=("state",), compiler_options=_DECODE_OPTIONS)
+def decode_rows(cfg, ecfg, params, state: DecodeState, rng, rows_W, num_steps: int):
+    """`decode_steps` for the W slots `rows_W` alone (distinct; every slot left out must be
+    idle): their rows are gathered into a [W] batch, decoded, and scattered back, and the
+    output is [num_steps, B] as `decode_steps`' is. In a rollout's tail, when a few slots are
+    still live, a step's matmuls and sampler then run on W rows instead of B; the pool is
+    shared, so no page moves. Tokens are the same: draws are keyed by (sample, step)."""
+    B = state.tokens.shape[0]
+    narrow = state._replace(**{f: getattr(state, f)[rows_W] for f in _SLOT_FIELDS})
+    narrow, o = _decode_loop(cfg, ecfg, params, narrow, rng, num_steps)
+    wide = lambda a, x: a.at[..., rows_W].set(x)  # noqa: E731
+    n = num_steps
+    state = narrow._replace(**{f: getattr(state, f).at[rows_W].set(getattr(narrow, f))
+                               for f in _SLOT_FIELDS})
+    out = StepOutput(wide(jnp.zeros((n, B), jnp.int32), o.tokens),
+                     wide(jnp.zeros((n, B), jnp.float32), o.logps),
+                     wide(jnp.zeros((n, B), bool), o.valid), state.active)
     return state, out
 
 
