@@ -194,6 +194,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         partial=False,
         partial_tokens=0,            # decode tokens one step's rollout samples at most (checked
                                      # after each decode call); 0 = stop on finished groups only
+        partial_tail=0.0,            # also stop once no sample waits and fewer than this share
+                                     # of the slots are live (the tail); 0 = never
         max_staleness=2))            # a carried group whose oldest token is more than this many
                                      # steps old is dropped (and counted), never trained
 

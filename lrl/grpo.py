@@ -191,6 +191,7 @@ def partial_rollout(s: Setup, params, carry: tuple, new_prompts: list, step: int
                          samples_per_prompt=counts, max_new_per_prompt=max_new,
                          max_new_fn=forced,
                          stop_fn=partial.stop_rule(pending, index, P, ro.partial_tokens),
+                         stop_below=math.ceil(ro.partial_tail * ro.max_slots),
                          unfinished=unfinished)
         pending = partial.advance(pending, index, outs, unfinished, step)
     # Every process trains its share of the same groups (`process_share`): a multiple of them.
@@ -244,10 +245,13 @@ def sample_and_score(s: Setup, params, raw, *, group_size: int, seed: int,
 
 def collect_partial(s: Setup, params, it, step: int, carry: tuple) -> tuple[Groups, dict, tuple]:
     """Rollout + rewards for one step of partial rollouts: a new batch of prompts joins the
-    carried groups while fewer than `rl.prompts_per_step` are in flight (so at most about
-    twice that many are); the complete groups are scored. -> (groups, metrics, carry)."""
+    carried groups unless those alone hold `rl.prompts_per_step` complete groups or enough
+    unfinished samples to fill every slot (so the slots stay full while the in-flight work
+    stays bounded); the complete groups are scored. -> (groups, metrics, carry)."""
     new, m = [], {}
-    if len(carry) < s.rl.prompts_per_step:
+    complete = sum(g.complete for g in carry)
+    unfinished = sum(not x.done for g in carry for x in g.samples)
+    if complete < s.rl.prompts_per_step and unfinished < s.rollout.max_slots:
         new, m = s.task.prepare(params, next(it))
     stats = {}
     t0 = time.time()

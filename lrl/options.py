@@ -305,6 +305,8 @@ class RolloutOptions:
     narrow_decode: bool = _opt()        # tail decode calls compute the live rows alone
     partial: bool = _opt()              # carry unfinished samples into the next step
     partial_tokens: int = _opt(ge=0)    # decode tokens a step samples at most; 0 = no budget
+    partial_tail: float = _opt(ge=0, lt=1)   # stop once nothing waits and fewer than this
+                                             # share of the slots are live; 0 = never
     max_staleness: int = _opt(ge=0)     # policy versions a carried group may span, then dropped
 
 
@@ -468,9 +470,10 @@ def _check_partial(o: Options) -> None:
     """What partial rollouts (`rollout.partial`) cannot run with yet."""
     ro = o.rollout
     if not ro.partial:
-        if ro.partial_tokens:
-            raise ValueError(f"rollout.partial_tokens={ro.partial_tokens} is the budget of a "
-                             "partial rollout: set rollout.partial=True, or leave it 0")
+        for name in ("partial_tokens", "partial_tail"):
+            if getattr(ro, name):
+                raise ValueError(f"rollout.{name}={getattr(ro, name)} stops a partial rollout: "
+                                 "set rollout.partial=True, or leave it 0")
         return
     if o.task != "text":
         raise ValueError(f"rollout.partial=True runs on the text task only, not task={o.task!r}"

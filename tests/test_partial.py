@@ -25,7 +25,8 @@ TINY = models.ModelConfig(model_type="qwen2", vocab_size=64, d_model=32, n_layer
 MAX_NEW = 40   # more than a decode call's 16 steps: a budget can stop a sample mid-way
 
 
-def _setup(max_slots=4, partial_tokens=50, max_staleness=2, prompts_per_step=3):
+def _setup(max_slots=4, partial_tokens=50, max_staleness=2, prompts_per_step=3,
+           partial_tail=0.0):
     c = config_util.load(os.path.join(ROOT, "configs", "default.py"), "runlocal")
     c.rl.update(max_new_tokens=MAX_NEW, temperature=0.0, group_size=2,
                 prompts_per_step=prompts_per_step)
@@ -34,7 +35,7 @@ def _setup(max_slots=4, partial_tokens=50, max_staleness=2, prompts_per_step=3):
     ro = options.RolloutOptions(page_size=4, max_slots=max_slots, pool_tokens=0,
                                 pool_fraction=0.4, prefill_tokens=256, sp_min_tokens=0,
                                 narrow_decode=True, partial=True, partial_tokens=partial_tokens,
-                                max_staleness=max_staleness)
+                                partial_tail=partial_tail, max_staleness=max_staleness)
     return grpo.Setup(rl=rl, rollout=ro, seed=0, task=None, tokenizer=None, model_cfg=TINY,
                       mesh=None, eos_ids=(), pool=None, update=None, logprobs=None, shards=1,
                       row_len=64, rows_per_shard=1, max_segments=8)
@@ -71,6 +72,33 @@ def test_greedy_partial_rollout_over_steps_equals_one_uninterrupted_rollout():
         assert steps < 10
     assert steps >= 3 and max(spans) >= 1 and m["partial/dropped_stale_groups"] == 0
     for p, prompt in enumerate(prompts):
+        for g in range(2):
+            np.testing.assert_array_equal(trained[prompt.answer][g], want.completions[2 * p + g])
+
+
+def test_a_partial_rollout_stops_in_its_tail_and_the_next_step_finishes_it():
+    """`rollout.partial_tail`: once no sample waits and fewer than that share of the slots are
+    live, the step stops; what ran on is carried, and finishing it later gives the tokens of
+    one uninterrupted rollout (greedy, unchanged weights)."""
+    s = _setup(max_slots=8, partial_tokens=0, prompts_per_step=3, partial_tail=0.5)
+    # the first sample of each group ends after 3 tokens, the second runs to MAX_NEW: after
+    # the first decode call 3 of 6 slots are live, fewer than half of the 8
+    s = dataclasses.replace(s, max_new_fn=lambda key: 3 if key[1] == 0 else MAX_NEW)
+    params, prompts = _params(1), _prompts()
+    want = grpo.rollout_groups(s, params, prompts, group_size=2, seed=0)
+    groups, carry, m = grpo.partial_rollout(s, params, (), prompts, 0, seed=0, stats=(st := {}))
+    assert st["stopped_in_tail"] == 1 and groups.P == 0
+    assert m["partial/carried_samples"] == 3
+    assert all(0 < x.tokens.size < MAX_NEW for g in carry for x in g.samples if not x.done)
+    trained, step = {}, 1
+    while len(trained) < len(prompts):
+        groups, carry, m = grpo.partial_rollout(s, params, carry, [], step, seed=step)
+        for g in range(groups.P):
+            trained[groups.prompts[g].answer] = groups.completions[2 * g:2 * g + 2]
+        step += 1
+        assert step < 10
+    for p, prompt in enumerate(prompts):
+        assert [len(c) for c in trained[prompt.answer]] == [3, MAX_NEW]
         for g in range(2):
             np.testing.assert_array_equal(trained[prompt.answer][g], want.completions[2 * p + g])
 

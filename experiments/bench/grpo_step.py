@@ -81,7 +81,9 @@ def make_config(a):
     c.rollout.update(max_slots=a.slots, pool_tokens=0, pool_fraction=a.pool_fraction,
                      prefill_tokens=a.prefill_tokens, sp_min_tokens=0,
                      narrow_decode=not a.no_narrow, partial=a.partial,
-                     partial_tokens=a.partial_tokens if a.partial else 0)
+                     partial_tokens=a.partial_tokens if a.partial else 0,
+                     partial_tail=a.partial_tail if a.partial else 0.0,
+                     max_staleness=a.max_staleness)
     c.eval.every = 0
     c.checkpoint.update(every_steps=0, every_minutes=0.0)
     c.metrics.update(tensorboard=False, samples_per_step=0)
@@ -155,7 +157,11 @@ def main():
                     help="rollout.partial: stop once prompts_per_step groups are done, carry the rest")
     ap.add_argument("--partial-tokens", type=int, default=-1,
                     help="rollout.partial_tokens with --partial (-1: prompts x group x mean, "
-                         "what a step trains on average)")
+                         "what a step trains on average; 0: no budget)")
+    ap.add_argument("--partial-tail", type=float, default=0.5,
+                    help="rollout.partial_tail with --partial: stop once nothing waits and fewer "
+                         "than this share of the slots are live")
+    ap.add_argument("--max-staleness", type=int, default=4, help="rollout.max_staleness")
     ap.add_argument("--no-narrow", action="store_true",
                     help="rollout.narrow_decode=False: every decode call computes all slots")
     ap.add_argument("--smoke", action="store_true")
@@ -206,7 +212,8 @@ def main():
           f"{'partial' if a.partial else 'synchronous'} rollout, tail decode "
           f"{'all slots' if a.no_narrow else 'narrowed'}, wall {wall:.0f} s")
     print("| step | s | rollout s | logprob s | update s | host s | gen tok | trained tok | "
-          "resp mean | occupancy | row occ. | decode steps | ms/step | carried | pack fill | "
+          "resp mean | occupancy | row occ. | decode steps | ms/step | groups / carried / dropped | "
+          "pack fill | "
           "micro | compiles | trained tok/s/GPU | MFU | composition |")
     print("|" + "---|" * 20)
     for r in rows:
@@ -227,7 +234,9 @@ def main():
                    decode_s=r.get("rollout/decode_s"), prefill_s=r.get("rollout/prefill_s"),
                    row_occupancy=r.get("rollout/row_occupancy", float("nan")),
                    narrow_calls=r.get("rollout/narrow_calls", 0),
-                   carried=r.get("partial/carried_samples", 0))
+                   carried=r.get("partial/carried_samples", 0),
+                   trained_groups=r.get("partial/trained_groups", a.prompts),
+                   dropped=r.get("partial/dropped_stale_samples", 0))
         steps_n = rec["decode_steps"] or 0
         rec["ms_per_decode_step"] = 1e3 * (rec["decode_s"] or 0) / max(1, steps_n)
         out.append(rec)
@@ -235,7 +244,8 @@ def main():
               f"{rec['logprob_s']:.1f} | {rec['update_s']:.1f} | {host:.1f} | "
               f"{rec['generated']:.0f} | {rec['trained']:.0f} | {rec['length_mean']:.0f} | "
               f"{rec['occupancy']:.0%} | {rec['row_occupancy']:.0%} | {steps_n:.0f} | "
-              f"{rec['ms_per_decode_step']:.2f} | {rec['carried']:.0f} | "
+              f"{rec['ms_per_decode_step']:.2f} | {rec['trained_groups']:.0f} / "
+              f"{rec['carried']:.0f} / {rec['dropped']:.0f} | "
               f"{rec['fill']:.0%} | {rec['micro']:.0f} | "
               f"{rec['compiles']:.0f} (+{rec['compiles_step']:.0f}) | {rec['tok_s_gpu']:.0f} | "
               f"{rec['mfu']:.1%} | {rec['composition']:.2f} |")

@@ -133,7 +133,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
              reserve_pages: bool = False, samples_per_prompt: Optional[Sequence[int]] = None,
              max_new_per_prompt: Optional[Sequence[int]] = None,
              stop_fn: Optional[Callable[[list, int], bool]] = None,
-             unfinished: Optional[list] = None,
+             unfinished: Optional[list] = None, stop_below: int = 0,
              narrow_widths: Optional[Sequence[int]] = None):
     """-> [P][G] list of (token ids int32, log-probs float32) per sample.
 
@@ -145,6 +145,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     asked after every collected decode call, with the (p, g) samples that call finished and
     the tokens sampled so far; True stops the rollout there: a live sample returns what it
     sampled, a waiting one nothing, and each is appended, as (p, g), to `unfinished` (a list).
+    `stop_below` (with `stop_fn`): also stop once no sample waits and fewer than that many
+    slots are live, the rollout's tail, where decode steps cost nearly as much for few rows.
 
     `engine`: an engine built once for many calls (`engine_config`): its compiled programs and
     its pool are reused, and the size arguments here (pool, slots, pages, prefill and kernel
@@ -427,8 +429,10 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         t_decode += time.perf_counter() - t0
         if stop_fn is not None:
             done_now, finished_now[:] = list(finished_now), []
-            if stop_fn(done_now, st["sampled_tokens"]):
+            tail = stop_below and not (queue or redo) and len(admitted) < stop_below
+            if stop_fn(done_now, st["sampled_tokens"]) or tail:
                 stopped = True
+                st["stopped_in_tail"] = int(bool(tail))
                 break
 
     if in_flight is not None:   # every slot finished before this call: it sampled nothing
