@@ -4,12 +4,14 @@ for N steps at a real model's shapes, random weights, with a controlled response
     python experiments/bench/grpo_step.py --case long --steps 4     # H200: mean 4K, cap 16K
     python experiments/bench/grpo_step.py --case short --steps 10   # cap 1K
     python experiments/bench/grpo_step.py --case qwen2_5_math:7b --steps 3
+    python experiments/bench/grpo_step.py --case short --steps 8 --partial --partial-tokens 0
+                                                        # partial rollouts, stopped in the tail
     python experiments/bench/grpo_step.py --smoke                   # CPU, tiny, checks it runs
 
 The one thing the benchmark adds to the loop: each sample's end is forced at a length drawn
 from a log-normal (sigma 1, mean `--mean` before the cap at `--cap`), since random weights
-never end by themselves; its pages are still reserved for the full `rl.max_new_tokens`, as a
-real sample's are. The tokenizer is a stand-in (the synthetic task's, with the vocabulary
+never end by themselves; one draw a sample, keyed by its prompt and index, so a sample carried
+over steps (`--partial`) keeps its length. The tokenizer is a stand-in (the synthetic task's, with the vocabulary
 padded to the model's 151,936 ids: sampled ids past it decode to nothing), the prompts are the
 synthetic arithmetic task's, the reward is a coin flip (so groups have advantages).
 
@@ -154,7 +156,8 @@ def main():
     ap.add_argument("--workdir", default="/tmp/lrl-bench-grpo-step")
     ap.add_argument("--json", default="", help="also write the rows here")
     ap.add_argument("--partial", action="store_true",
-                    help="rollout.partial: stop once prompts_per_step groups are done, carry the rest")
+                    help="rollout.partial: stop once prompts_per_step groups are done (or in the "
+                         "tail, --partial-tail), carry the rest")
     ap.add_argument("--partial-tokens", type=int, default=-1,
                     help="rollout.partial_tokens with --partial (-1: prompts x group x mean, "
                          "what a step trains on average; 0: no budget)")
@@ -212,8 +215,8 @@ def main():
           f"{'partial' if a.partial else 'synchronous'} rollout, tail decode "
           f"{'all slots' if a.no_narrow else 'narrowed'}, wall {wall:.0f} s")
     print("| step | s | rollout s | logprob s | update s | host s | gen tok | trained tok | "
-          "resp mean | occupancy | row occ. | decode steps | ms/step | groups / carried / dropped | "
-          "pack fill | "
+          "resp mean | occupancy | row occ. | decode steps | ms/step | "
+          "groups / carried / dropped | pack fill | "
           "micro | compiles | trained tok/s/GPU | MFU | composition |")
     print("|" + "---|" * 20)
     for r in rows:
