@@ -196,8 +196,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                      # after each decode call); 0 = stop on finished groups only
         partial_tail=0.0,            # also stop once no sample waits and fewer than this share
                                      # of the slots are live (the tail); 0 = never
-        max_staleness=2))            # a carried group whose oldest token is more than this many
+        max_staleness=2,             # a carried group whose oldest token is more than this many
                                      # steps old is dropped (and counted), never trained
+        partial_keep_kv=True))       # with partial: a carried sample's KV pages stay in the
+                                     # engine's pool and it resumes without a prefill (its
+                                     # KV then is the old policy's; False: prefilled again
+                                     # under the new weights); pages short: prefilled anyway
 
     # --- evaluation, checkpoints, metrics -------------------------------------------------------
     c.eval = ml_collections.ConfigDict(dict(every=10, num_prompts=64, k=4, temperature=1.0))

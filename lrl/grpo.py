@@ -170,15 +170,20 @@ def partial_rollout(s: Setup, params, carry: tuple, new_prompts: list, step: int
     and `new_prompts` decoded under `params` (policy version `step`) until
     `rl.prompts_per_step` groups are complete or `rollout.partial_tokens` tokens are sampled.
     -> (the complete groups, at most prompts_per_step, oldest first, with their ages; the
-    groups carried on; metrics). Groups past `rollout.max_staleness` are dropped first."""
+    groups carried on; metrics). Groups past `rollout.max_staleness` are dropped first (and
+    their samples' kept pages released). With `rollout.partial_keep_kv` and the run's engine,
+    the samples still running keep their KV pages in its pool for the next step."""
     rl_, ro = s.rl, s.rollout
     G, P = rl_.group_size, rl_.prompts_per_step
     pending, gone_groups, gone_samples = partial.drop_stale(tuple(carry), step,
                                                             ro.max_staleness)
+    if gone_groups and s.engine is not None:
+        staying = {id(g) for g in pending}
+        s.engine.release_kept(partial.kept_of(g for g in carry if id(g) not in staying))
     pending = pending + tuple(partial.Pending.fresh(p, G) for p in new_prompts)
     ids, counts, max_new, index = partial.requests(pending, rl_.max_new_tokens)
-    # Tokens of carried samples prefilled again (their KV pages are not kept across steps).
-    reprefill = sum(x.tokens.size for g in pending for x in g.samples if not x.done)
+    st = stats if stats is not None else {}
+    keep = {} if ro.partial_keep_kv and s.engine is not None else None
     if ids and sum(g.complete for g in pending) < P:
         unfinished = []
         forced = None
@@ -187,13 +192,17 @@ def partial_rollout(s: Setup, params, carry: tuple, new_prompts: list, step: int
             forced = lambda sid: max(1, s.max_new_fn(  # noqa: E731
                 (np.asarray(pending[who[sid][0]].prompt.ids, np.int32).tobytes(), who[sid][1]))
                 - pending[who[sid][0]].samples[who[sid][1]].tokens.size)
-        outs = _generate(s, params, ids, group_size=G, seed=seed, stats=stats,
+        outs = _generate(s, params, ids, group_size=G, seed=seed, stats=st,
                          samples_per_prompt=counts, max_new_per_prompt=max_new,
                          max_new_fn=forced,
                          stop_fn=partial.stop_rule(pending, index, P, ro.partial_tokens),
                          stop_below=math.ceil(ro.partial_tail * ro.max_slots),
-                         unfinished=unfinished)
-        pending = partial.advance(pending, index, outs, unfinished, step)
+                         unfinished=unfinished, kept_out=keep,
+                         kept=[pending[per[0][0]].samples[per[0][1]].kept for per in index])
+        pending = partial.advance(pending, index, outs, unfinished, step, keep)
+    # The carried samples' tokens prefilled again (a request's ids past its prompt's).
+    reprefill = sum(len(ids[r]) - len(pending[index[r][0][0]].prompt.ids)
+                    for r in st.get("prefilled", ()))
     # Every process trains its share of the same groups (`process_share`): a multiple of them.
     n = min(P, sum(g.complete for g in pending))
     done, carry = partial.take_complete(pending, n - n % jax.process_count())
@@ -207,6 +216,7 @@ def partial_rollout(s: Setup, params, carry: tuple, new_prompts: list, step: int
          "partial/dropped_stale_groups": gone_groups,
          "partial/dropped_stale_samples": gone_samples,
          "partial/reprefill_tokens": reprefill,
+         "partial/kept_samples": st.get("kept_resumed", 0),
          "partial/age_mean": float(ages.mean()) if ages.size else 0.0,
          "partial/age_max": float(ages.max()) if ages.size else 0.0,
          "partial/version_span_mean": float(span.mean()) if span.size else 0.0,

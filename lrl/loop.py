@@ -314,6 +314,9 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
                          offset + step)
                 break
     finally:
+        held = partial_lib.kept_of(carry or ())
+        if held:   # the run's KV goes with it: a resume prefills its carried samples again
+            held[0].engine.release_kept(held)
         pool.close()
     r.writer.plot("grpo")
     return metrics

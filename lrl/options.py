@@ -308,6 +308,8 @@ class RolloutOptions:
     partial_tail: float = _opt(ge=0, lt=1)   # stop once nothing waits and fewer than this
                                              # share of the slots are live; 0 = never
     max_staleness: int = _opt(ge=0)     # policy versions a carried group may span, then dropped
+    partial_keep_kv: bool = _opt()      # with partial: carried samples keep their KV pages in
+                                        # the pool (else they are prefilled again)
 
 
 @dataclasses.dataclass(frozen=True)

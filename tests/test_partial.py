@@ -1,6 +1,8 @@
 """Partial rollouts (`rollout.partial`): a step's rollout stops on its budget and the unfinished
-samples carry on in the next step, re-prefilled. Greedy partial rollouts over several steps
-with unchanged weights give the tokens of one uninterrupted rollout; a carried sample's tokens,
+samples carry on in the next step, from their KV pages kept in the engine's pool or re-prefilled.
+Greedy partial rollouts over several steps with unchanged weights give the tokens of one
+uninterrupted rollout either way (and with a pool too small to keep them all); kept pages are
+released when their group is dropped and nothing leaks; a carried sample's tokens,
 log-probs and versions are those of the policy that drew each; the staleness cap drops and
 counts; the loop runs with it on and compiles nothing new after its second step; a resume after
 SIGTERM continues the carried samples the checkpoint saved and logs what the uninterrupted run
@@ -35,7 +37,8 @@ def _setup(max_slots=4, partial_tokens=50, max_staleness=2, prompts_per_step=3,
     ro = options.RolloutOptions(page_size=4, max_slots=max_slots, pool_tokens=0,
                                 pool_fraction=0.4, prefill_tokens=256, sp_min_tokens=0,
                                 narrow_decode=True, partial=True, partial_tokens=partial_tokens,
-                                partial_tail=partial_tail, max_staleness=max_staleness)
+                                partial_tail=partial_tail, max_staleness=max_staleness,
+                                partial_keep_kv=True)
     return grpo.Setup(rl=rl, rollout=ro, seed=0, task=None, tokenizer=None, model_cfg=TINY,
                       mesh=None, eos_ids=(), pool=None, update=None, logprobs=None, shards=1,
                       row_len=64, rows_per_shard=1, max_segments=8)
@@ -74,6 +77,85 @@ def test_greedy_partial_rollout_over_steps_equals_one_uninterrupted_rollout():
     for p, prompt in enumerate(prompts):
         for g in range(2):
             np.testing.assert_array_equal(trained[prompt.answer][g], want.completions[2 * p + g])
+
+
+def _with_engine(s, num_pages=256):
+    """The setup with a run's engine (one that outlives a rollout, so carried samples can keep
+    their pages in its pool)."""
+    ecfg = rollout.engine_config(TINY, max_prompt_len=16, max_new_tokens=MAX_NEW,
+                                 max_slots=s.rollout.max_slots, num_pages=num_pages,
+                                 page_size=s.rollout.page_size)
+    return dataclasses.replace(s, engine=rollout.Engine(TINY, ecfg))
+
+
+def _run_steps(s, params, prompts):
+    """Partial steps until every group trained: -> (completions by prompt, each step's
+    metrics)."""
+    carry, trained, rows, new = (), {}, [], prompts
+    while len(trained) < len(prompts):
+        groups, carry, m = grpo.partial_rollout(s, params, carry, new, len(rows),
+                                                seed=len(rows), stats=(st := {}))
+        new = []
+        rows.append({**m, **{f"rollout/{k}": v for k, v in st.items() if np.isscalar(v)}})
+        for g in range(groups.P):
+            trained[groups.prompts[g].answer] = groups.completions[2 * g:2 * g + 2]
+        assert len(rows) < 10
+    return trained, rows
+
+
+def _assert_same(trained, want, prompts):
+    for p, prompt in enumerate(prompts):
+        for g in range(2):
+            np.testing.assert_array_equal(trained[prompt.answer][g], want.completions[2 * p + g])
+
+
+def test_greedy_partial_rollout_with_kept_pages_equals_one_uninterrupted_rollout():
+    """Carried samples resume from their KV pages kept in the engine's pool, with no prefill;
+    with unchanged weights the tokens are those of one uninterrupted rollout, and once every
+    group trained the pool is all free again."""
+    s = _with_engine(_setup())
+    params, prompts = _params(1), _prompts()
+    want = grpo.rollout_groups(s, params, prompts, group_size=2, seed=0)
+    trained, rows = _run_steps(s, params, prompts)
+    assert len(rows) >= 3 and rows[0]["partial/carried_samples"] == 6
+    assert sum(r["partial/kept_samples"] for r in rows) >= 4
+    assert all(r["partial/reprefill_tokens"] == 0 for r in rows)
+    assert all(r["rollout/kept_released"] == 0 for r in rows if "rollout/kept_released" in r)
+    _assert_same(trained, want, prompts)
+    assert s.engine.pool.all_free() and not s.engine.kept
+    # Off, the same run prefills its carried samples again, to the same tokens.
+    off = dataclasses.replace(s, rollout=dataclasses.replace(s.rollout, partial_keep_kv=False))
+    trained, rows = _run_steps(off, params, prompts)
+    assert sum(r["partial/kept_samples"] for r in rows) == 0
+    assert sum(r["partial/reprefill_tokens"] for r in rows) > 0
+    _assert_same(trained, want, prompts)
+
+
+def test_a_pool_too_small_to_keep_every_carried_sample_prefills_some_to_the_same_tokens():
+    """Kept pages go (those samples prefilled again) before a live sample is preempted or
+    admission waits; the tokens are still those of one uninterrupted rollout."""
+    s = _with_engine(_setup(), num_pages=40)
+    params, prompts = _params(1), _prompts()
+    want = grpo.rollout_groups(_setup(), params, prompts, group_size=2, seed=0)
+    trained, rows = _run_steps(s, params, prompts)
+    assert sum(r.get("rollout/kept_released", 0) for r in rows) > 0, rows
+    assert sum(r["partial/kept_samples"] for r in rows) > 0
+    assert sum(r["partial/reprefill_tokens"] for r in rows) > 0
+    _assert_same(trained, want, prompts)
+    assert s.engine.pool.all_free() and not s.engine.kept
+
+
+def test_kept_pages_of_a_group_dropped_as_stale_are_released():
+    s = _with_engine(_setup(max_slots=8, partial_tokens=1, max_staleness=2, prompts_per_step=2))
+    params = _params(1)
+    _, carry, m = grpo.partial_rollout(s, params, (), _prompts((6, 8)), 0, seed=0)
+    assert m["partial/carried_samples"] == 4 and len(s.engine.kept) == 4
+    assert all(s.engine.holds(x.kept) for g in carry for x in g.samples)
+    assert not s.engine.pool.all_free()
+    _, kept, m = grpo.partial_rollout(s, params, carry, [], 3, seed=3)
+    assert m["partial/dropped_stale_groups"] == 2 and kept == ()
+    assert s.engine.pool.all_free() and not s.engine.kept
+    s.engine.keep_state(s.engine.take_state())   # the invariant holds: nothing leaked
 
 
 def test_a_partial_rollout_stops_in_its_tail_and_the_next_step_finishes_it():
@@ -225,7 +307,9 @@ def test_tiny_loop_runs_with_partial_rollouts_and_compiles_nothing_after_step_tw
         assert all(np.isfinite(v) for k, v in r.items() if k.startswith("partial/")
                    or k.endswith("occupancy")), r
         assert 0 < r["rollout/occupancy"] <= r["rollout/slot_occupancy"] <= 1
-    assert sum(r["partial/reprefill_tokens"] for r in steps) > 0
+    # the carried samples resume from their kept pages (the pool holds them all)
+    assert sum(r["partial/kept_samples"] for r in steps) > 0
+    assert sum(r["partial/reprefill_tokens"] for r in steps) == 0
     assert [r["compiles/step"] for r in steps[2:]] == [0] * 4, [r["compiles/step"] for r in steps]
     # one decode program: the 128 slots' tail width (32 rows) holds every call of this run
     decode = {k: v for k, v in compiles.since(before).items() if k.startswith("jit(decode_")}
@@ -264,8 +348,11 @@ def test_resume_after_sigterm_with_carried_samples_equals_the_uninterrupted_run(
         tmp_path, monkeypatch):
     """The checkpoint saves the carried groups: the resumed run continues the same samples and
     logs what the uninterrupted run logs. Its first step trains nothing (every group still
-    running), covering a partial step without an update through the loop and its console."""
+    running), covering a partial step without an update through the loop and its console.
+    No KV is saved: the resumed run prefills its carried samples again, so both runs do
+    (kept pages would give the uninterrupted run's sampler slightly other log-probs)."""
     c = _loop_config(monkeypatch, steps=5, first_long=8)
+    c.rollout.partial_keep_kv = False
     loop.run(c, str(tmp_path / "straight"))
     want = _rows(tmp_path / "straight")
     restore = loop._restore_carry
@@ -273,6 +360,7 @@ def test_resume_after_sigterm_with_carried_samples_equals_the_uninterrupted_run(
     monkeypatch.setattr(loop, "_restore_carry",
                         lambda *a: resumed.append(restore(*a)) or resumed[-1])
     c = _loop_config(monkeypatch, steps=5, first_long=8)   # the same lengths drawn again
+    c.rollout.partial_keep_kv = False
     first, second, third = _run_cut(tmp_path / "cut", c, monkeypatch, at=3)
     assert first["partial/trained_groups"] == 0 and "loss" not in first
     assert first["partial/carried_samples"] > 0    # (a sample may draw the end token)
@@ -287,6 +375,7 @@ def test_resume_after_sigterm_with_carried_samples_equals_the_uninterrupted_run(
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
     assert all("partial/dropped_on_resume" not in r for r in got)
     assert all(np.isfinite(r["loss"]) for r in got[3:])
+    assert got[3]["partial/reprefill_tokens"] > 0 and got[3]["partial/kept_samples"] == 0
     for a, b in zip(got, want):
         a, b = _compared(a), _compared(b)
         assert sorted(a) == sorted(b)

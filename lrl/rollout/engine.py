@@ -17,6 +17,9 @@ How a prompt of T tokens becomes G samples:
   never runs out mid-sample and nothing is ever preempted).
 - `generate` runs decode steps for all live slots at once; a slot stops by itself on an end
   token or its length limit. `free` returns its pages.
+- A rollout stopped early (partial rollouts) may `keep` a live slot's sample instead: its
+  pages stay in the pool under a `Kept` handle, and a later rollout `resume_slot`s it, with
+  no prefill; `release_kept` returns them (the sample is then prefilled again).
 
 Multimodal prompts (optional): a prefix may carry its input embeddings [T, D] (visual rows
 already spliced in, `lrl.models.vl.embed_tokens`) and M-RoPE positions [3, T]. Prefill then
@@ -55,7 +58,7 @@ from lrl.rollout.steps import (DecodeState, EngineConfig, StepOutput, _zero_stat
                                prefill_packed)
 from lrl.rollout.weights import decode_params
 
-__all__ = ["DecodeState", "Engine", "EngineConfig", "Prefix", "SlotPlan", "StepOutput"]
+__all__ = ["DecodeState", "Engine", "EngineConfig", "Kept", "Prefix", "SlotPlan", "StepOutput"]
 
 
 @dataclasses.dataclass
@@ -92,13 +95,31 @@ class Prefix:
 @dataclasses.dataclass
 class SlotPlan:
     slot: int
-    prefix: Prefix
+    prefix: Optional[Prefix]  # None: a kept sample resumed (`resume_slot`)
     sample_id: int
     max_new_tokens: int
     pages: list[int]          # the slot's whole page row (shared full pages first)
     copy_src: int             # the prompt's partial page, or the null page
     copy_dst: int
+    length: int               # tokens in its cache
+    token: int                # the first token it feeds
+    rope_delta: int = 0
     remaining: Optional[int] = None   # tokens it samples at most (None: max_new_tokens)
+
+
+# eq=False: a handle is one sample's, compared by identity.
+@dataclasses.dataclass(eq=False)
+class Kept:
+    """A sample stopped with its KV left in `engine`'s pool (`Engine.keep`): its whole page
+    row (the shared prompt pages it reads and its own), the tokens in its cache, the next
+    token to feed, its rope delta. Valid while the engine holds it (`Engine.holds`): until it
+    is resumed (`resume_slot`) or released (`release_kept`, or by the engine itself when a
+    rollout runs short of pages)."""
+    engine: "Engine"
+    pages: list[int]
+    length: int
+    token: int
+    rope_delta: int = 0
 
 
 def k_splits(slots: int, kv_programs: int, programs: int = 512) -> int:
@@ -154,6 +175,7 @@ class Engine:
         self.mesh = mesh
         self.pool = PagePool(ecfg.num_pages)
         self.slot_pages: list[Optional[list[int]]] = [None] * ecfg.max_slots
+        self.kept: dict[int, Kept] = {}   # id -> the kept samples holding pages, oldest first
         self._pallas_ok = False
         self.fallback: Optional[str] = None
         self._state: Optional[DecodeState] = None
@@ -357,7 +379,8 @@ class Engine:
                 src, dst = prefix.pages[-1], own[0]
         prefix.closed = last
         self.slot_pages[slot] = full + own
-        return SlotPlan(slot, prefix, sample_id, max_new_tokens, full + own, src, dst)
+        return SlotPlan(slot, prefix, sample_id, max_new_tokens, full + own, src, dst,
+                        prefix.cached, int(prefix.tokens[-1]), prefix.rope_delta)
 
     def run_insert(self, state: DecodeState, plans) -> DecodeState:
         B = self.ecfg.max_slots
@@ -367,11 +390,11 @@ class Engine:
                                                                 for _ in range(7))
         for i, p in enumerate(plans):
             slot[i], rows[i] = p.slot, self.page_row(p.pages)
-            length[i], token[i] = p.prefix.cached, p.prefix.tokens[-1]
+            length[i], token[i] = p.length, p.token
             remaining[i] = p.max_new_tokens if p.remaining is None else p.remaining
             sample_id[i] = p.sample_id
             src[i], dst[i] = p.copy_src, p.copy_dst
-            delta[i] = p.prefix.rope_delta
+            delta[i] = p.rope_delta
         return insert_slots(state, slot, rows, length, token, remaining, sample_id, src, dst,
                             num_layers=self.cfg.n_layers, delta_B=delta)
 
@@ -456,8 +479,9 @@ class Engine:
     # ---- the state kept between rollouts
     def take_state(self) -> DecodeState:
         """The engine's decode state (its pool and slot arrays), created once and handed out
-        to one rollout at a time: between rollouts every page is free and every slot idle, so
-        a rollout starts from it as from a fresh one, without allocating the pool again."""
+        to one rollout at a time: between rollouts every slot is idle and every page free but
+        those of kept samples, so a rollout starts from it as from a fresh one (with those
+        pages taken), without allocating the pool again."""
         state, self._state = self._state, None
         if state is None:
             if self._made_state:
@@ -467,10 +491,66 @@ class Engine:
         return state
 
     def keep_state(self, state: DecodeState) -> None:
-        """Takes the state back after a rollout (all its pages free)."""
-        if not self.pool.all_free():
-            raise RuntimeError(f"{self.pool.num_used} pages still in use after the rollout")
+        """Takes the state back after a rollout (all its pages free but the kept samples')."""
+        held = np.zeros_like(self.pool.refcount)
+        for k in self.kept.values():
+            np.add.at(held, np.asarray(k.pages, np.int64), 1)
+        if not np.array_equal(held, self.pool.refcount):
+            raise RuntimeError(f"{self.pool.num_used} pages still in use after the rollout, "
+                               f"{int((held > 0).sum())} of them by {len(self.kept)} kept "
+                               f"samples: the rest leaked")
         self._state = state
+
+    # ---- samples kept between rollouts
+    def keep(self, decode_state: DecodeState, slots, lengths, tokens, rope_deltas):
+        """Stops the slots but leaves their pages in the pool: -> (decode_state, a `Kept` per
+        slot, with the tokens in its cache and the next token it feeds), for a later rollout
+        to resume without a prefill."""
+        mask = np.zeros(self.ecfg.max_slots, bool)
+        handles = []
+        for s, n, t, d in zip(slots, lengths, tokens, rope_deltas):
+            if self.slot_pages[s] is None:
+                raise ValueError(f"slot {s} is not in use")
+            k = Kept(self, self.slot_pages[s], int(n), int(t), int(d))
+            self.kept[id(k)] = k
+            handles.append(k)
+            self.slot_pages[s] = None
+            mask[s] = True
+        return (deactivate(decode_state, mask) if mask.any() else decode_state), handles
+
+    def holds(self, kept: Kept) -> bool:
+        return self.kept.get(id(kept)) is kept
+
+    def resume_pages(self, kept: Kept, new_tokens: int) -> int:
+        """Pages a kept sample lacks to sample `new_tokens` more."""
+        return max(0, pages_for(kept.length + new_tokens, self.ecfg.page_size) - len(kept.pages))
+
+    def resume_slot(self, kept: Kept, slot: int, sample_id: int, max_new_tokens: int,
+                    first_tokens: Optional[int] = None) -> SlotPlan:
+        """A kept sample back in slot `slot`: its own page row (grown for all it may write, or
+        with `first_tokens` for those), its cache length and next token; nothing is prefilled
+        or copied. The handle is spent."""
+        if self.slot_pages[slot] is not None:
+            raise ValueError(f"slot {slot} is in use; free it first")
+        if not self.holds(kept):
+            raise ValueError("this engine does not hold that kept sample (resumed or released "
+                             "already, or another engine's)")
+        n = max_new_tokens if first_tokens is None else max(1, min(first_tokens, max_new_tokens))
+        pages = kept.pages + self.pool.alloc(self.resume_pages(kept, n))
+        del self.kept[id(kept)]
+        self.slot_pages[slot] = pages
+        return SlotPlan(slot, None, sample_id, max_new_tokens, pages, NULL_PAGE, NULL_PAGE,
+                        kept.length, kept.token, kept.rope_delta)
+
+    def release_kept(self, handles) -> int:
+        """Returns kept samples' pages to the pool (each to its own engine's); None and handles
+        no longer held (resumed, released before) are skipped. -> how many were released."""
+        n = 0
+        for k in handles:
+            if k is not None and k.engine.kept.pop(id(k), None) is k:
+                k.engine.pool.release(k.pages)
+                n += 1
+        return n
 
     def pages_short(self, slot: int, tokens: int) -> int:
         """Pages slot `slot` lacks to hold its first `tokens` cache positions."""

@@ -134,7 +134,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
              max_new_per_prompt: Optional[Sequence[int]] = None,
              stop_fn: Optional[Callable[[list, int], bool]] = None,
              unfinished: Optional[list] = None, stop_below: int = 0,
-             narrow_widths: Optional[Sequence[int]] = None):
+             narrow_widths: Optional[Sequence[int]] = None, kept: Optional[Sequence] = None,
+             kept_out: Optional[dict] = None):
     """-> [P][G] list of (token ids int32, log-probs float32) per sample.
 
     Partial rollouts (`lrl.rollout.partial`): `samples_per_prompt` gives each prompt its own
@@ -147,6 +148,12 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     sampled, a waiting one nothing, and each is appended, as (p, g), to `unfinished` (a list).
     `stop_below` (with `stop_fn`): also stop once no sample waits and fewer than that many
     slots are live, the rollout's tail, where decode steps cost nearly as much for few rows.
+    With `kept_out` (a dict) and a run's `engine`, a stopped rollout leaves each live sample's
+    pages in the pool: `kept_out[(p, g)]` is its `Kept` handle, and `kept[p]` (a handle or None per
+    prompt, a prompt of one sample: its prompt and tokens so far, as above) resumes it in a
+    slot without a prefill. A handle the engine no longer holds is prefilled, and when pages
+    run short, kept samples' pages go (prefilled later) before a live sample is preempted or
+    admission waits; a kept sample still waiting when the rollout stops stays kept.
 
     `engine`: an engine built once for many calls (`engine_config`): its compiled programs and
     its pool are reused, and the size arguments here (pool, slots, pages, prefill and kernel
@@ -209,7 +216,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         return []
     sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
     eos = tuple(int(e) for e in eos_ids)
-    if engine is None:
+    if engine is None:   # built for this call: nothing outlives it
+        kept_out = None
         B = max_slots or min(P * G, 256)
         longest = max(len(p) for p in prompts)
         ecfg = engine_config(
@@ -227,6 +235,16 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     B = engine.ecfg.max_slots
     for i, p in enumerate(prompts):
         engine.check_fits(len(p), max_new[i], what=f"prompt {i}")
+    resume = {}   # prompt -> the kept sample it resumes, while it waits
+    for p, k in enumerate(kept or ()):
+        if k is None or not engine.holds(k):
+            engine.release_kept([k])   # another engine's: prefilled here
+            continue
+        if counts[p] != 1 or k.length != len(prompts[p]) - 1 or k.token != prompts[p][-1]:
+            raise ValueError(f"generate: prompt {p} ({len(prompts[p])} tokens, "
+                             f"{counts[p]} samples) is not its kept sample's ({k.length} "
+                             f"tokens cached, next token {k.token})")
+        resume[p] = k
     state = engine.take_state()
     if decode_params is None:
         decode_params = engine.decode_params(params)
@@ -246,6 +264,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     out_logps: dict[int, list] = {}
     st = collections.Counter()
     t_prefill = t_decode = 0.0
+    prefilled = []         # the prompts prefilled, once for each prefix
+    rope_delta = [0] * B
     # Pages grow with the samples (a call's worth ahead) unless `reserve_pages`, in which case
     # each sample holds all it may write from the start: fewer samples fit, none is preempted.
     grow = not reserve_pages
@@ -316,8 +336,26 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                               if prompt_embeds is not None else ()))
             st["prompt_pages"] += len(open_prefix[p].pages)
             st["prefill_tokens"] += len(prompts[p]) - 1
+            prefilled.append(p)
             return open_prefix[p], True
         return open_prefix[p], False
+
+    def reclaim(need: int) -> bool:
+        """Releases kept samples' pages until `need` pages are free: first those this rollout
+        does not resume, then its own, the last in line first (they are prefilled instead).
+        -> whether `need` pages are free."""
+        while engine.pool.num_free < need:
+            ours = {id(k) for k in resume.values()}
+            others = [k for k in engine.kept.values() if id(k) not in ours]
+            if others:
+                victim = others[0]
+            elif resume:
+                victim = resume.pop(max(resume))
+            else:
+                return False
+            engine.release_kept([victim])
+            st["kept_released"] += 1
+        return True
 
     in_flight = None   # a decode call's output not yet collected (only once no prompt waits)
     finished_now: list = []   # (p, g) finished since stop_fn was last asked
@@ -339,22 +377,33 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             sid = int(first_id[p]) + g
             n = limit_for(p, sid)
             first = min(steps_per_call, n) if grow else None
-            need = engine.sample_pages(T, n if first is None else first)
-            if p not in open_prefix:
-                need += engine.prefix_pages(T)
+            k = None if redo else resume.get(p)
+            if k is not None:
+                need = engine.resume_pages(k, n if first is None else first)
+            else:
+                need = engine.sample_pages(T, n if first is None else first)
+                if p not in open_prefix:
+                    need += engine.prefix_pages(T)
             if engine.pool.num_free - keep < need:
+                if reclaim(keep + need):
+                    continue   # with the head's own kept pages gone, its need is counted anew
                 break
-            pre, new = prefix_for(p)
-            if new:
-                new_prefixes.append(pre)
             slot = free_slots.popleft()
-            plan = engine.reserve_slot(pre, slot, sid, max_new[p], last=last,
-                                       first_tokens=first)
+            if k is not None:
+                del resume[p]
+                plan = engine.resume_slot(k, slot, sid, max_new[p], first_tokens=first)
+                st["kept_resumed"] += 1
+            else:
+                pre, new = prefix_for(p)
+                if new:
+                    new_prefixes.append(pre)
+                plan = engine.reserve_slot(pre, slot, sid, max_new[p], last=last,
+                                           first_tokens=first)
             if n < max_new[p]:   # a forced length (benchmarks): it stops early
                 plan = dataclasses.replace(plan, remaining=n)
             plans.append(plan)
             owner[slot], out_tokens[slot], out_logps[slot] = (p, g), [], []
-            limit[slot], done_len[slot] = n, T - 1
+            limit[slot], done_len[slot], rope_delta[slot] = n, T - 1, plan.rope_delta
             admitted.append(slot)
             if grow:
                 keep += engine.pages_short(slot, min(T - 1 + 2 * steps_per_call + 1, T - 1 + n))
@@ -364,7 +413,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                 next_sample[p] += 1
                 if next_sample[p] == counts[p]:
                     queue.popleft()
-            if last:
+            if last and p in open_prefix:
                 finished_prefixes.append(open_prefix.pop(p))
         st["peak_pages"] = max(st["peak_pages"], engine.pool.num_used)
         if new_prefixes:
@@ -389,6 +438,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             ahead = steps_per_call * (2 if in_flight is not None else 1)
             want = {s: min(done_len[s] + ahead, len(prompts[owner[s][0]]) - 1 + limit[s])
                     for s in admitted}
+            reclaim(sum(engine.pages_short(s, n) for s, n in want.items()))
             if sum(engine.pages_short(s, n) for s, n in want.items()) > engine.pool.num_free:
                 if in_flight is not None:   # preempt only what is collected
                     state, in_flight = collect(state, in_flight), None
@@ -448,8 +498,21 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                              np.concatenate(out_logps.pop(s) or [np.zeros(0)]).astype(np.float32))
             st["new_tokens"] += len(results[p][g][0])
             owner[s] = None
-        if live:
+        if live and kept_out is not None:
+            # cached: the prompt and every sampled token but the last, the next one fed
+            state, handles = engine.keep(
+                state, live, [done_len[s] for s in live],
+                [np.concatenate([prompts[p], results[p][g][0]])[-1] for p, g in stopped_pg],
+                [rope_delta[s] for s in live])
+            kept_out.update(zip(stopped_pg, handles))
+            st["kept"] += len(live)
+        elif live:
             state = engine.free(state, live)
+        if kept_out is not None:   # kept samples that did not get a slot stay kept
+            kept_out.update(((p, 0), k) for p, k in resume.items())
+        else:
+            engine.release_kept(resume.values())
+        resume.clear()
         for pre in open_prefix.values():
             engine.release(pre)
         open_prefix.clear()
@@ -458,10 +521,10 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             results[p][g] = (np.zeros(0, np.int32), np.zeros(0, np.float32))
         if unfinished is not None:
             unfinished.extend(sorted(stopped_pg + waiting))
-    engine.keep_state(state)   # raises if a page is still in use
+    engine.keep_state(state)   # raises if a page not kept is still in use
     if stats is not None:
         page_size = engine.ecfg.page_size
-        stats.update(dict(st), prefill_s=t_prefill, decode_s=t_decode,
+        stats.update(dict(st), prefill_s=t_prefill, decode_s=t_decode, prefilled=prefilled,
                      num_pages=engine.ecfg.num_pages, slots=B,
                      # the share of decode-step rows that sampled a token
                      occupancy=st["new_tokens"] / max(1, st["decode_steps"] * B),

@@ -3,12 +3,23 @@
 With `rollout.partial`, a step's rollout stops once a decode-token budget is spent or enough
 groups have finished (`generate`'s `stop_fn`); the samples still running are carried, as
 `Pending` groups, into the next step's rollout, where each comes back as a prompt of its own:
-its prompt and the tokens it has so far, prefilled again (exact while the weights are
-unchanged: a prefill writes the same keys and values a decode step would), then decoded on
-under the new weights. Every token keeps the log-prob its sampler gave it and that sampler's
-policy version (the step whose parameters drew it), so the update weighs each token against
-the policy that really drew it. A group trains once all its samples have finished; a group
-whose oldest token is more than `max_staleness` versions old is dropped, and counted.
+its prompt and the tokens it has so far, then decoded on under the new weights. Every token
+keeps the log-prob its sampler gave it and that sampler's policy version (the step whose
+parameters drew it), so the update weighs each token against the policy that really drew it.
+A group trains once all its samples have finished; a group whose oldest token is more than
+`max_staleness` versions old is dropped, and counted.
+
+How a carried sample resumes (`rollout.partial_keep_kv`): its KV pages stay in the engine's
+pool (`Sample.kept`, an `lrl.rollout.engine.Kept` handle) and the next rollout puts it straight
+back in a slot; else, or once its pages had to go (the pool short for new work, a resume from
+a checkpoint, which saves no KV, another engine), it is prefilled again. The kept keys and
+values were computed by the policy that drew the tokens, not by the new weights a re-prefill
+would use: an approximation (AReaL's and slime's), taken because it saves the re-prefill
+(seconds a step for long carried samples), and harmless to the update's correction, since
+each token's behaviour log-prob is still the one its sampler gave it, whatever that sampler
+attended to. With unchanged weights both paths are exact (a prefill writes the keys and
+values a decode step would). A handle holds pool pages: every path that drops a carried
+sample releases it (`Engine.release_kept` of `kept_of(...)`).
 
 All functions here are pure: they take and return tuples of frozen records.
 
@@ -34,16 +45,17 @@ class Sample:
     logps: np.ndarray = _empty(np.float32)    # each one's log-prob under the policy that drew it
     versions: np.ndarray = _empty(np.int32)   # that policy's version (the step that sampled it)
     done: bool = False
+    kept: Optional[object] = None   # an unfinished sample's KV in the engine's pool (`Kept`)
 
     def oldest(self) -> Optional[int]:
         return int(self.versions.min()) if self.versions.size else None
 
-    def extend(self, tokens, logps, version: int, done: bool) -> "Sample":
+    def extend(self, tokens, logps, version: int, done: bool, kept=None) -> "Sample":
         tokens = np.asarray(tokens, np.int32)
         return Sample(np.concatenate([self.tokens, tokens]),
                       np.concatenate([self.logps, np.asarray(logps, np.float32)]),
                       np.concatenate([self.versions, np.full(tokens.size, version, np.int32)]),
-                      done)
+                      done, kept)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -63,6 +75,11 @@ class Pending:
     def oldest(self) -> Optional[int]:
         old = [v for v in (x.oldest() for x in self.samples) if v is not None]
         return min(old) if old else None
+
+
+def kept_of(pending) -> list:
+    """The kept handles of the groups' samples (to release when the groups go)."""
+    return [x.kept for g in pending for x in g.samples if x.kept is not None]
 
 
 def drop_stale(pending: tuple, version: int, max_staleness: int) -> tuple[tuple, int, int]:
@@ -113,15 +130,19 @@ def stop_rule(pending: tuple, index: list, target_groups: int, token_budget: int
     return stop
 
 
-def advance(pending: tuple, index: list, results: list, unfinished, version: int) -> tuple:
+def advance(pending: tuple, index: list, results: list, unfinished, version: int,
+            kept: Optional[dict] = None) -> tuple:
     """`pending` after one rollout: each request's tokens appended to its sample, drawn by
-    policy `version`; a sample is done unless `(p, g)` is in `unfinished`."""
+    policy `version`; a sample is done unless `(p, g)` is in `unfinished`; `kept[(p, g)]`:
+    the handle of its pages left in the pool (`generate`'s `keep`)."""
     samples = [list(g.samples) for g in pending]
     stopped = set(map(tuple, unfinished))
+    kept = kept or {}
     for p, per in enumerate(results):
         for g, (tokens, logps) in enumerate(per):
             i, j = index[p][g]
-            samples[i][j] = samples[i][j].extend(tokens, logps, version, (p, g) not in stopped)
+            samples[i][j] = samples[i][j].extend(tokens, logps, version, (p, g) not in stopped,
+                                                 kept.get((p, g)))
     return tuple(Pending(grp.prompt, tuple(s)) for grp, s in zip(pending, samples))
 
 
