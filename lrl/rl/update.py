@@ -256,6 +256,15 @@ def run_update(u: UpdatePrograms, state: TrainState, micro_batches, denoms, extr
     return state, metrics
 
 
+def compile_shapes(u: UpdatePrograms, params, micro_batches, denoms, extra=None) -> None:
+    """Runs `accumulate` on each of `micro_batches` into an accumulator then dropped: their
+    shapes compile (ahead of a step that needs them) and no optimizer step is taken."""
+    for mb in micro_batches:
+        _check_batch(mb, 1, optional=OPTIONAL_KEYS + u.extra_keys)
+        u.programs.accumulate(params, u.programs.start(params, mb, denoms, extra), mb, denoms,
+                              extra)
+
+
 def need_bytes(u: UpdatePrograms, params, mb_spec: dict, extra_spec=None) -> int:
     """Bytes one device needs to run `accumulate` on micro-batches shaped `mb_spec`
     (ShapeDtypeStructs), beyond the parameters it is given (which are live anyway): compiled,
