@@ -1,8 +1,8 @@
 """The host half of a GRPO step, as one function: `step(setup, state, it, i)` collects G
 samples per prompt (with dynamic sampling), scores and shapes them, turns rewards into
 advantages, keeps this process's share, cuts it into minibatches of samples, packs each into
-rows and micro-batches of one fixed shape, takes the old and reference log-probs, and runs
-the updates. The device half (the update and log-prob programs, compiled once for that
+rows and micro-batches of a few fixed shapes, takes the old and reference log-probs, and
+runs the updates. The device half (the update and log-prob programs, compiled once for each
 micro-batch shape, and the rollout engine) is built once by the loop and handed in as
 `Setup`.
 
@@ -11,14 +11,18 @@ frozen), so the order of calls is the data flow below and each stage can be read
 swapped alone:
 
     collect -> shape_overlong -> advantages -> process_share -> minibatches (pack, micro-
-            batches, placed) -> old_and_ref_logps -> mismatch_metrics -> loss_inputs -> updates
+            batches, placed) -> warm_up -> old_and_ref_logps -> mismatch_metrics ->
+            loss_inputs -> updates
 
 With `rollout.partial`, `collect_partial` takes `collect`'s place: the rollout stops on its
 budget and the groups still running are carried into the next step (`lrl.rollout.partial`);
 the step takes them in and hands the new carry back.
 
-A micro-batch is [rows_per_micro, row_len] for the whole run: a minibatch's token count
-changes only how many micro-batches it has (one `accumulate` call each), never a shape.
+A micro-batch is [shards x rows_per_shard, row_len] or, for a minibatch's last rows,
+[shards, T'] with T' row_len or one of `Setup.buckets` (`lrl.data.packing.Cut`), the same
+shapes for the whole run: a minibatch's token count changes only how many micro-batches of
+each it has (one `accumulate` call each), and `warm_up` runs every shape in the run's first
+step.
 With `rl.shared_prompt` on or auto the rows may hold a group's prompt once before its
 responses (`lrl.data.shared_prompt`): minibatches are then cut between groups, every row
 carries `prefix_ids`, and the old / reference log-prob passes read the same rows, so they
@@ -106,7 +110,7 @@ class Setup:
     mesh: object
     eos_ids: tuple
     pool: object                  # lrl.rewards.RewardPool
-    update: object                # rl.update.UpdatePrograms for one micro-batch shape
+    update: object                # rl.update.UpdatePrograms, compiled per micro-batch shape
     logprobs: Optional[Callable]  # jitted (params, micro_batch, extra) -> logp_BT, when needed
     shards: int                   # data-parallel shards of the mesh (data x fsdp)
     row_len: int                  # T of a packed row
@@ -120,6 +124,11 @@ class Setup:
     # Benchmarks only: a sample's forced length, from its key (its prompt's ids as bytes, its
     # index in the group), as if its end token came there; a carried sample samples the rest.
     max_new_fn: Optional[Callable[[tuple], int]] = None
+    # Row lengths below row_len a minibatch's last rows are cut to, longest first
+    # (`lrl.rl.budget.row_lengths`); () cuts none.
+    buckets: tuple = ()
+    # The micro-batch shapes [B, T] the step's programs have run (`warm_up`).
+    warmed: set = dataclasses.field(default_factory=set)
 
 
 # ----------------------------------------------------------------------------- rollout
@@ -387,7 +396,7 @@ class Minibatch:
     denoms: object
     extra: object
     tokens: int          # real tokens in this process's micro-batches
-    slots: int           # row_len x rows of this process's micro-batches
+    slots: int           # positions computed: rows x length of this process's micro-batches
     shared: int = 0      # samples whose prompt is held once for their group (shared layout)
 
 
@@ -411,7 +420,7 @@ def pack(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray,
     correction_values(s.rl, groups, samples, token_values, seq_values)
     ids = [p.ids for p in sample_prompts]
     kw = dict(seq_values=seq_values, token_values=token_values, truncate=True,
-              max_segments=s.max_segments)
+              max_segments=s.max_segments, cut=_cut(s))
     if s.rl.shared_prompt == "off":
         rows, layout = packing.pack(ids, comps, s.row_len, fit="best", **kw)
     else:
@@ -440,28 +449,55 @@ def correction_values(rl_, groups: Groups, samples: np.ndarray, token_values: di
         seq_values["sample_age"] = groups.sample_ages()[samples].astype(np.float32)
 
 
+def _cut(s: Setup) -> packing.Cut:
+    """How this process's rows go into micro-batches: over its own data shards."""
+    return packing.Cut(max(1, s.shards // jax.process_count()), s.rows_per_shard,
+                       (s.row_len,) + tuple(s.buckets))
+
+
 def minibatches(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray):
     """This process's samples cut into `rl.minibatches` minibatches of samples, each packed
-    and cut into micro-batches of the run's one shape, placed on the devices. -> (list of
+    and cut into micro-batches of the run's shapes, placed on the devices. -> (list of
     Minibatch, truncated sample count)."""
-    local_shards = max(1, s.shards // jax.process_count())
+    cut = _cut(s)
     out, truncated = [], 0
     for samples in minibatch_samples(groups.P, groups.group_size, s.rl.minibatches,
                                      whole_groups=s.rl.shared_prompt != "off"):
         rows, layout, extra = pack(s, groups, adv_PG, weight, samples)
         truncated += layout["num_truncated"]
         # Every process runs the same sequence of micro-batch shapes: one plan from all.
-        counts = packing.shard_rows(rows, local_shards)
+        plan = packing.micro_plan(rows, cut)
         if jax.process_count() > 1:
-            every = distributed.allgather_objects(counts)
-            counts = (min(c[0] for c in every), max(c[1] for c in every))
-        micro = packing.micro_batches(rows, local_shards, s.rows_per_shard, plan=counts)
+            plan = packing.common_plan(distributed.allgather_objects(plan), cut)
+        micro = packing.micro_batches(rows, cut, plan=plan)
         denoms = _global_denominators(micro, s.max_len)
         tokens = int(sum((mb["segment_ids"] > 0).sum() for mb in micro))
         out.append(Minibatch([mesh_lib.put_batch(s.mesh, mb) for mb in micro], denoms, extra,
                              tokens, sum(mb["tokens"].size for mb in micro),
                              int(layout.get("shared", np.zeros(0, bool)).sum())))
     return out, truncated
+
+
+def warm_up(s: Setup, params, batches: list[Minibatch]) -> None:
+    """Runs each micro-batch shape the run may take and has not run yet once, on empty rows
+    (segment 0: no loss, no gradient), through the log-prob passes, the mismatch pass and
+    the update's accumulation (into an accumulator then dropped: no optimizer step), so that
+    every program compiles all its shapes in the run's first step, not in whichever later
+    step first needs one. The step's metrics see nothing of it."""
+    from lrl.rl.update import compile_shapes
+    cut = _cut(s)
+    seen = {mb["tokens"].shape for b in batches for mb in b.micro}
+    ahead = [(cut.shards * k, n) for k, n in cut.shapes()
+             if (cut.shards * k, n) not in s.warmed | seen]
+    s.warmed.update(seen, ahead)
+    if not ahead or not batches:
+        return
+    b = batches[0]
+    empty = [mesh_lib.put_batch(s.mesh, {k: np.zeros((B,) + x.shape[1:-1] + (T,), x.dtype)
+                                         for k, x in b.micro[0].items()}) for B, T in ahead]
+    w = old_and_ref_logps(s, params, [dataclasses.replace(b, micro=empty)])
+    mismatch_metrics(s, params, w, 0)
+    compile_shapes(s.update, params, loss_inputs(s, w)[0].micro, b.denoms, b.extra)
 
 
 def minibatch_samples(P: int, G: int, k: int, whole_groups: bool) -> list[np.ndarray]:
@@ -612,6 +648,7 @@ def step(s: Setup, state, it, step_index: int, carry: Optional[tuple] = None):
     local = groups.take(mine)
     batches, truncated = minibatches(s, local, adv_PG[mine],
                                      weight[np.repeat(mine, groups.group_size)])
+    warm_up(s, state.params, batches)
     t0 = time.time()
     batches = old_and_ref_logps(s, state.params, batches)
     jax.block_until_ready([mb.get("old_logp") for b in batches for mb in b.micro])

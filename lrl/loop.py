@@ -165,8 +165,9 @@ def sft_phase(r: Run, state, tx, steps: int, data_state: dict):
 
 def build_grpo(r: Run, state, tx, pool) -> grpo.Setup:
     """The GRPO step's compiled programs and fixed inputs, built once for the phase: the
-    update for one micro-batch shape (its token budget from the config or from device
-    memory), the old / reference log-prob pass, the sequence-parallel prefill."""
+    update for the micro-batch shapes (its token budget from the config or from device
+    memory, shorter rows for a minibatch's last ones), the old / reference log-prob pass,
+    the sequence-parallel prefill."""
     opts, task, mesh = r.opts, r.task, r.mesh
     rl_ = opts.rl
     loss_cfg = ex.loss_config(opts)
@@ -199,7 +200,10 @@ def build_grpo(r: Run, state, tx, pool) -> grpo.Setup:
     engine, decode = _engine(r, state, reserve=least)
     budget = budget_lib.resolve(**sizes, need_bytes=need if memory is not None else None,
                                 available=available())
-    r.writer.note(f"update micro-batch: {budget.describe()}")
+    lengths = budget_lib.row_lengths(budget.row_len, sizes["unit"])
+    tail = (f"; a minibatch's last rows in rows of {'/'.join(map(str, lengths[1:]))} tokens"
+            if len(lengths) > 1 else "")
+    r.writer.note(f"update micro-batch: {budget.describe()}{tail}")
     logp_fn = None
     if rl_.old_logp == "trainer" or kl or rl_.mismatch_fraction > 0:
         logp_fn = update_lib.make_logprobs_fn(task.model_cfg, mesh, **kw)
@@ -212,6 +216,7 @@ def build_grpo(r: Run, state, tx, pool) -> grpo.Setup:
         logprobs=logp_fn, shards=shards, row_len=budget.row_len,
         # A row of MAX_SEGMENTS sequences would have one run more: its padding.
         rows_per_shard=budget.rows_per_shard, max_segments=MAX_SEGMENTS - 1,
+        buckets=lengths[1:],
         max_len=loss_cfg.max_len, prefill=prefill, engine=engine, decode=decode,
         # The frozen reference: the policy as this phase starts.
         ref_params=ref_params)

@@ -1,24 +1,27 @@
 """Ten GRPO steps whose prompt and response lengths vary widely compile every program of the
-rollout and of the update once: a step's lengths change how many calls it makes (micro-batches,
-prefill calls, decode calls), never a shape."""
+rollout and of the update once, and all in the first steps: a step's lengths change how many
+calls it makes (micro-batches of each shape, prefill calls, decode calls), never a shape."""
 import dataclasses
 import os
 
 import numpy as np
 
-from lrl import compiles, config_util, loop
+from lrl import compiles, config_util, grpo, loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Each compiled once for the run (the decode program once per sampling setting: the held-out
 # eval samples at the training temperature here) ...
-PROGRAMS = ("jit(_apply)", "jit(prefill_packed)", "jit(insert_slots)", "jit(deactivate)",
-            "jit(_refresh)")
+PROGRAMS = ("jit(_start)", "jit(_apply)", "jit(prefill_packed)", "jit(insert_slots)",
+            "jit(deactivate)", "jit(_refresh)")
 # The decode programs, at most once each: all 128 slots, and the tail's 32 rows
 # (`EngineConfig.narrow_widths`), which hold every call when no more samples than that run.
 DECODE = ("jit(decode_steps)", "jit(decode_rows)")
-# ... and these once per micro-batch shape: [shards x rows_per_shard, T] and [shards, T].
-PER_SHAPE = ("jit(_start)", "jit(_accumulate)", "jit(logprobs)")
+# ... and these once per micro-batch shape: [shards x rows_per_shard, T], and [shards, T'] for
+# T' each of the row lengths a minibatch's last rows are cut to (`budget.row_lengths`: T, T/2
+# here), every one in the first step, whichever a step's rows need.
+PER_SHAPE = ("jit(_accumulate)", "jit(logprobs)")
+SHAPES = 3
 
 
 def test_ten_steps_of_varied_lengths_compile_each_program_once(tmp_path, monkeypatch):
@@ -29,8 +32,11 @@ def test_ten_steps_of_varied_lengths_compile_each_program_once(tmp_path, monkeyp
     c.data.update(task="kv_retrieval", max_prompt_len=104)
     c.data.task_kwargs.kv_retrieval.update(num_pairs=6, min_pairs=1)   # prompts of ~20-90
     c.sft.steps = 0
-    c.rl.update(steps=10, prompts_per_step=4, group_size=4, max_new_tokens=24, row_len=128,
-                max_tokens_per_micro=256, minibatches=2, temperature=0.9)  # trainer old logp
+    # One minibatch a step, so that over 4 shards its last rows need rows of 256 or of 128
+    # as its lengths go; the trainer's old log-probs compile the log-prob pass's shapes.
+    c.rl.update(steps=10, prompts_per_step=4, group_size=4, max_new_tokens=24, row_len=256,
+                max_tokens_per_micro=512, minibatches=1, recompute_old_logp=True,
+                temperature=0.9)
     c.eval.update(every=5, num_prompts=4, k=2, temperature=0.9)
     c.data.eval_size = 4
     c.checkpoint.every_steps = 0
@@ -48,6 +54,13 @@ def test_ten_steps_of_varied_lengths_compile_each_program_once(tmp_path, monkeyp
         return dataclasses.replace(build(*args), max_new_fn=length)
 
     monkeypatch.setattr(loop, "build_grpo", with_varied_lengths)
+    shapes, updates = [], grpo.updates
+
+    def recording(s, state, batches):   # the shapes each step's rows needed
+        shapes.append(sorted(mb["tokens"].shape for b in batches for mb in b.micro))
+        return updates(s, state, batches)
+
+    monkeypatch.setattr(grpo, "updates", recording)
     before = compiles.snapshot()
     loop.run(c, str(tmp_path))
     counts = compiles.since(before)
@@ -57,12 +70,14 @@ def test_ten_steps_of_varied_lengths_compile_each_program_once(tmp_path, monkeyp
     assert len(steps) == 10 and min(forced) <= 3 and max(forced) >= 22
     lengths = [r["response/length_mean"] for r in steps]
     assert max(lengths) - min(lengths) > 2                 # the steps' lengths did vary
-    micro = [r["pack/micro_batches"] for r in steps]
-    assert len(set(micro)) > 1                             # and so did their micro-batch count
+    # The steps' rows needed different shapes (never the K-row one, compiled all the same in
+    # the first step: `grpo.warm_up`).
+    assert len({tuple(x) for x in shapes}) > 1
+    assert set(sum(shapes, [])) == {(4, 256), (4, 128)}
     assert [r["compiles/step"] for r in steps[2:]] == [0] * 8, [r["compiles/step"] for r in steps]
     for name in PROGRAMS:
         assert counts.get(name) == 1, (name, {k: v for k, v in counts.items() if v > 1})
     assert {counts.get(name, 0) for name in DECODE} <= {0, 1} and \
         sum(counts.get(name, 0) for name in DECODE) >= 1, counts
     for name in PER_SHAPE:
-        assert counts.get(name) in (1, 2), (name, counts.get(name))
+        assert counts.get(name) == SHAPES, (name, counts.get(name))

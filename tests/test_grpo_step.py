@@ -157,7 +157,7 @@ def test_mismatch_metrics_of_a_step_read_the_sampler_log_probs_packed_with_the_t
     params = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x,
                           models.init_params(TINY, jax.random.key(1)))
     rng = np.random.RandomState(0)
-    prompts = [Prompt(rng.randint(1, 64, n).astype(np.int32), "", {}, "") for n in (4, 7, 5, 6)]
+    prompts = [Prompt(rng.randint(1, 64, n).astype(np.int32), "", {}, "") for n in (15, 4, 16, 5)]
     groups = grpo.rollout_groups(s, params, prompts, group_size=2, seed=0)
     adv, weight = np.ones((4, 2), np.float32), np.ones(8, np.float32)
     batches, _ = grpo.minibatches(s, groups, adv, weight)
@@ -197,6 +197,38 @@ def test_mismatch_metrics_of_a_step_read_the_sampler_log_probs_packed_with_the_t
     assert not {"rollout_logp", "response_pos"} & set(grpo.loss_inputs(trainer, rows)[0].micro[0])
     assert grpo.mismatch_metrics(dataclasses.replace(
         s, rl=dataclasses.replace(s.rl, mismatch_fraction=0.0)), params, batches, 3) == {}
+
+
+def test_warm_up_compiles_the_shapes_not_run_yet_and_changes_nothing():
+    """The first step's rows need [2, 32] and [1, 32]; `warm_up` runs the one shape more a
+    run may take, [1, 16], through the log-prob, mismatch and update programs, on empty
+    rows and without an optimizer step; once every shape has run it does nothing."""
+    import optax
+    from lrl import compiles
+    from lrl.rl import LossConfig
+    from lrl.rl import update as upd
+    s = _mismatch_setup(rows_per_shard=2, mismatch_fraction=0.25)
+    u = upd.make_update_programs(TINY, LossConfig(), optax.sgd(1.0), chunk=16)
+    s = dataclasses.replace(s, update=u, buckets=(16,))
+    params = models.init_params(TINY, jax.random.key(1))
+    before_params = jax.tree.map(np.asarray, params)
+    rng = np.random.RandomState(0)
+    prompts = [Prompt(rng.randint(1, 64, n).astype(np.int32), "", {}, "") for n in (15, 4, 16, 5)]
+    groups = grpo.rollout_groups(s, params, prompts, group_size=2, seed=0)
+    batches, _ = grpo.minibatches(s, groups, np.ones((4, 2), np.float32),
+                                  np.ones(8, np.float32))
+    assert {mb["tokens"].shape for b in batches for mb in b.micro} == {(2, 32), (1, 32)}
+    before = compiles.snapshot()
+    grpo.warm_up(s, params, batches)
+    new = compiles.since(before)
+    assert s.warmed == {(2, 32), (1, 32), (1, 16)}
+    # [1, 16] through each program once (the step's own shapes compile in the step)
+    assert new["jit(_accumulate)"] == new["jit(logprobs)"] == 1 and "jit(_apply)" not in new
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(before_params)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    before = compiles.snapshot()
+    grpo.warm_up(s, params, batches)
+    assert not compiles.since(before)
 
 
 def test_old_log_probs_from_the_trainer_give_the_mismatch_of_every_micro_batch():

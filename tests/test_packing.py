@@ -109,6 +109,46 @@ def test_random_round_trip():
     assert int(layout["row"].max()) + 1 <= -(-total // 64) + 2
 
 
+@pytest.mark.parametrize("shards,rows_per_shard", [(1, 2), (3, 1), (2, 3)])
+def test_best_fit_with_a_cut_packs_the_last_rows_short_and_round_trips(shards, rows_per_shard):
+    """Best fit given a cut: the rows that stay whole come first, in micro-batches of whole
+    rows a shard; the rest hold their tokens from position 0 in rows no longer than their
+    micro-batch's length; every sequence comes back; fewer positions are computed than
+    with the full rows alone, and no more than with best fit's rows cut short."""
+    rng = np.random.default_rng(shards * 10 + rows_per_shard)
+    n = 120
+    prompts = [rng.integers(1, 100, rng.integers(1, 20)) for _ in range(n)]
+    completions = [rng.integers(1, 100, rng.integers(0, 60)) for _ in range(n)]
+    logp = [-rng.random(len(c)).astype(np.float32) for c in completions]
+    cut = packing.Cut(shards, rows_per_shard, (128, 64, 32))
+    kw = dict(seq_values={"advantages": rng.normal(size=n)}, token_values={"old_logp": logp},
+              fit="best", max_segments=6)
+    batch, layout = packing.pack(prompts, completions, 128, cut=cut, **kw)
+    _check_invariants(batch)
+    seg = batch["segment_ids"]
+    assert ((seg > 0).sum(axis=1) == packing._extents(seg)).all()   # from position 0 on
+    assert seg.max() <= 6 and (seg > 0).any(axis=1).all()           # no empty row left
+    out = packing.unpack(batch, layout)
+    for i in range(n):
+        np.testing.assert_array_equal(out["prompts"][i], prompts[i])
+        np.testing.assert_array_equal(out["completions"][i], completions[i])
+        np.testing.assert_allclose(out["old_logp"][i], logp[i])
+    plain, _ = packing.pack(prompts, completions, 128, **kw)
+    full = packing.Cut(shards, rows_per_shard, (128,))
+    slots = [sum(mb["tokens"].size for mb in packing.micro_batches(b, c))
+             for b, c in ((plain, full), (plain, cut), (batch, cut))]
+    assert slots[0] >= slots[1] >= slots[2] and slots[0] > slots[2], slots
+    micro = packing.micro_batches(batch, cut)
+    assert sum(int((mb["segment_ids"] > 0).sum()) for mb in micro) == int((seg > 0).sum())
+    assert {mb["tokens"].shape for mb in micro} <= {(shards * k, L) for k, L in cut.shapes()}
+    with pytest.raises(ValueError, match="cut only with fit='best'"):
+        packing.pack(prompts, completions, 128, cut=cut)
+    with pytest.raises(ValueError, match="the cut's rows are 128 tokens, not row_len 256"):
+        packing.best_fit([3, 4], 256, cut=cut)
+    with pytest.raises(ValueError, match="decreasing positive lengths"):
+        packing.Cut(1, 1, (64, 64))
+
+
 def test_first_fit_bounded_rows_and_sft_pack():
     row, start = packing.first_fit([4, 4, 4, 2], row_len=6, decreasing=False, max_rows=2)
     np.testing.assert_array_equal(row, [0, 1, -1, 0])

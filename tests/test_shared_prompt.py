@@ -71,12 +71,14 @@ def test_nothing_shared_is_exactly_pack():
         np.testing.assert_array_equal(np.asarray(lay[k]), np.asarray(want_lay[k]), err_msg=k)
 
 
-@pytest.mark.parametrize("G,row_len,max_segments", [(2, 40, None), (5, 24, None),
-                                                   (8, 64, 6)])
-def test_round_trip_chunks_and_bounds(G, row_len, max_segments):
+@pytest.mark.parametrize("G,row_len,max_segments,cut", [
+    (2, 40, None, None), (5, 24, None, None), (8, 64, 6, None),
+    (8, 64, 6, packing.Cut(2, 1, (64, 32, 16)))])
+def test_round_trip_chunks_and_bounds(G, row_len, max_segments, cut):
     """Every sequence comes back from the rows (prompt, completion, values); a group too
     long for one row is cut into chunks, each with its prefix; rows hold at most
-    max_segments segments; one response alone in a row is an unshared sequence."""
+    max_segments segments; one response alone in a row is an unshared sequence. With a cut
+    the last rows are packed short, and a row's tokens still lie from position 0 on."""
     rng = np.random.default_rng(G)
     prompts, comps, groups = groups_of(rng, 5, G, (2, 12), (0, 8))
     tok = {"old": [rng.normal(size=len(c)) for c in comps]}
@@ -85,7 +87,10 @@ def test_round_trip_chunks_and_bounds(G, row_len, max_segments):
     assert share.all()
     b, lay = sp.pack_groups(prompts, comps, row_len, groups=groups, share=share,
                             seq_values={"adv": adv}, token_values=tok,
-                            max_segments=max_segments)
+                            max_segments=max_segments, cut=cut)
+    if cut is not None:
+        extents = packing._extents(b["segment_ids"])
+        assert ((b["segment_ids"] > 0).sum(axis=1) == extents).all() and extents.min() <= 32
     out = packing.unpack(b, lay)
     for i in range(len(comps)):
         np.testing.assert_array_equal(out["prompts"][i], prompts[i])

@@ -1,7 +1,9 @@
-"""The update cut by a token budget: micro-batches of one shape, driven from the host, give
-the one-big-batch step for any number of them, on one device and on fsdp x seq; packing
-fills rows and balances shards; the budget comes from the compiled update's memory, and one
-too small for a sample fails at start-up naming the key and the sample's length."""
+"""The update cut by a token budget: micro-batches of a few shapes (full rows, and short
+rows for a minibatch's last ones), driven from the host, give the one-big-batch step for any
+number of them, on one device and on fsdp x seq; packing fills rows, packs the last ones
+short and balances shards; the budget comes from the compiled update's memory (a shorter
+row needs less), and one too small for a sample fails at start-up naming the key and the
+sample's length."""
 import os
 
 import jax
@@ -10,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from lrl import config_util, experiment, models
+from lrl import compiles, config_util, experiment, models
 from lrl import mesh as mesh_lib
 from lrl.data import packing
 from lrl.rl import budget as budget_lib
@@ -29,20 +31,25 @@ def _samples(rng, n, max_len=40):
     return prompts, comps
 
 
-def _rows(rng, n, row_len):
+def _rows(rng, n, row_len, cut=None):
     prompts, comps = _samples(rng, n)
     adv = rng.randn(n).astype(np.float32)
     old = [(-rng.rand(len(c)) * 0.5).astype(np.float32) for c in comps]
     rows, _ = packing.pack(prompts, comps, row_len, seq_values={"advantages": adv},
-                           token_values={"old_logp": old}, fit="best", max_segments=64)
+                           token_values={"old_logp": old}, fit="best", max_segments=64,
+                           cut=cut)
     return rows
+
+
+def _fill(micro) -> float:
+    return sum(int((mb["segment_ids"] > 0).sum()) for mb in micro) / sum(
+        mb["tokens"].size for mb in micro)
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
 @pytest.mark.parametrize("sizes,attention", [(None, "dense"), ({"fsdp": 2, "seq": 2}, "ring")])
 def test_host_micro_batches_equal_one_batch(aggregation, sizes, attention):
-    rng = np.random.RandomState(0)
-    rows = _rows(rng, 14, 64)
+    rows = _rows(np.random.RandomState(0), 18, 64)
     mesh = mesh_lib.make_mesh(sizes, devices=jax.devices()[:4]) if sizes else None
     shards = 2 if sizes else 1
     cfg = CFG.replace(attention=attention)
@@ -59,9 +66,14 @@ def test_host_micro_batches_equal_one_batch(aggregation, sizes, attention):
     ref_params = jax.tree.map(np.asarray, ref_state.params)
     u = upd.make_update_programs(cfg, loss, tx, mesh)
     counts = set()
-    for rows_per_shard in (1, 2, 3):   # three different cuts into micro-batches
-        micro = packing.micro_batches(rows, shards, rows_per_shard)
-        counts.add(tuple(mb["tokens"].shape[0] for mb in micro))
+    # Three cuts into full rows, one with the last rows cut short, and one of the same
+    # samples packed for that: its last rows packed again into short ones.
+    short = packing.Cut(shards, 2, (64, 32, 16))
+    cuts = [(rows, packing.Cut(shards, k, (64,))) for k in (1, 2, 3)] + [
+        (rows, short), (_rows(np.random.RandomState(0), 18, 64, cut=short), short)]
+    for rows, cut in cuts:
+        micro = packing.micro_batches(rows, cut)
+        counts.add(tuple(mb["tokens"].shape for mb in micro))
         denoms = upd.host_denominators(micro, loss.max_len)
         got_state, got = upd.run_update(u, jax.tree.map(jnp.copy, state),
                                         [mesh_lib.put_batch(mesh, mb) for mb in micro], denoms)
@@ -71,38 +83,126 @@ def test_host_micro_batches_equal_one_batch(aggregation, sizes, attention):
         for a, b, w in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(ref_params),
                            jax.tree.leaves(before)):
             assert rel_err(np.asarray(a) - w, b - w) < 1e-4
-    assert len(counts) == 3 and float(ref["clip_frac_low"]) + float(ref["clip_frac_high"]) > 0
+    assert len(counts) >= 4 and float(ref["clip_frac_low"]) + float(ref["clip_frac_high"]) > 0
+    # Full rows of 2 a shard, their last ones cut short, packed short: each fills more (the
+    # last alike on one shard, where the last row was short already).
+    fills = [_fill(packing.micro_batches(r, c)) for r, c in [cuts[1]] + cuts[3:]]
+    assert fills[0] < fills[1] <= fills[2] and fills[1] < fills[2] or shards == 1, fills
 
 
-def test_two_micro_batch_shapes_compile_once_for_any_count():
+def test_micro_batch_shapes_compile_once_for_any_count():
     rng = np.random.RandomState(1)
     tx = optax.adam(1e-3)
     loss = LossConfig(aggregation="token_mean", max_len=40)
     u = upd.make_update_programs(CFG, loss, tx)
     state = upd.init_train_state(models.init_params(CFG, jax.random.key(0)), tx)
-    shapes = set()
-    for n in (3, 11, 25):   # micro-batches of [2, 64], the last rows in [1, 64]
-        micro = packing.micro_batches(_rows(rng, n, 64), 1, 2)
+    cut = packing.Cut(1, 2, (64, 32, 16))
+    shapes, before = set(), compiles.snapshot()
+    for n in (3, 11, 25, 40):   # micro-batches of [2, 64], the last rows in [1, 64 / 32 / 16]
+        micro = packing.micro_batches(_rows(rng, n, 64, cut=cut), cut)
         shapes |= {mb["tokens"].shape for mb in micro}
         state, m = upd.run_update(u, state, [mesh_lib.put_batch(None, mb) for mb in micro],
                                   upd.host_denominators(micro, 40))
         assert np.isfinite(float(m["loss"]))
-    assert shapes == {(2, 64), (1, 64)}
-    assert u.programs.accumulate._cache_size() == 2     # one program per shape
-    assert u.programs.start._cache_size() <= 2 and u.programs.apply._cache_size() == 1
+    assert shapes <= {(cut.shards * k, n) for k, n in cut.shapes()} and len(shapes) > 2
+    assert u.programs.accumulate._cache_size() == len(shapes)     # one program per shape
+    counts = compiles.since(before)
+    assert counts["jit(_start)"] == 1 and counts["jit(_apply)"] == 1   # one for any shape
 
 
 def test_no_empty_micro_batch_of_one_row_micro_batches():
-    """8 rows of one shard in micro-batches of one row: 8 of them, none empty (an empty one
-    would still cost a forward and backward). Of K > 1 rows: a one-row micro-batch ends the
-    minibatch always (empty when the rows divide by K), so both shapes compile at once."""
+    """8 rows of one shard in micro-batches of k rows, then of one row: none empty (an empty
+    one would still cost a forward and backward; a run's first step runs its shapes ahead of
+    need instead, `lrl.grpo.minibatches`), unless the plan asks for it."""
     seg = np.ones((8, 16), np.int32)
     rows = {"tokens": np.arange(8 * 16, dtype=np.int32).reshape(8, 16), "segment_ids": seg}
-    for k, want in ((1, [1] * 8), (2, [2] * 4 + [1]), (4, [4, 4, 1]), (3, [3, 3, 1, 1])):
-        micro = packing.micro_batches(rows, 1, k)
+    for k, want in ((1, [1] * 8), (2, [2] * 4), (4, [4, 4]), (3, [3, 3, 1, 1])):
+        micro = packing.micro_batches(rows, packing.Cut(1, k, (16,)))
         assert [mb["tokens"].shape[0] for mb in micro] == want, k
         assert sum(int((mb["segment_ids"] > 0).sum()) for mb in micro) == 8 * 16
-        assert all((mb["segment_ids"] > 0).any() for mb in micro) == (k in (1, 3))
+        assert all((mb["segment_ids"] > 0).any() for mb in micro)
+    cut = packing.Cut(1, 2, (16, 8))
+    micro = packing.micro_batches(rows, cut, plan=packing.micro_plan(rows, cut) + ((1, 8),))
+    assert [mb["tokens"].shape for mb in micro] == [(2, 16)] * 4 + [(1, 8)]
+    assert not micro[-1]["segment_ids"].any()
+
+
+def test_last_rows_are_cut_to_the_shortest_length_that_holds_them():
+    """Rows of 32, 32, 30, 12, 9 and 5 tokens over one shard of 2 rows a micro-batch: the
+    full ones (no shorter length holds them) in [2, T] and [1, T], the others each in the
+    shortest of T/2, T/4 that holds it; every per-row array, M-RoPE positions [B, 3, T] too,
+    is cut alike, and no token is lost."""
+    T = 32
+    extents = [32, 32, 30, 12, 9, 5]
+    seg = np.zeros((len(extents), T), np.int32)
+    for r, n in enumerate(extents):
+        seg[r, :n] = 1 + np.arange(n) // 4
+    rows = {"segment_ids": seg, "tokens": np.where(seg > 0, 7 + np.arange(T), 0),
+            "advantages": np.where(seg > 0, 0.5, 0.0).astype(np.float32),
+            "positions": np.where(seg > 0, np.arange(T), 0)[:, None, :].repeat(3, axis=1)}
+    cut = packing.Cut(1, 2, (32, 16, 8))
+    plan = packing.micro_plan(rows, cut)
+    assert plan == ((2, 32), (1, 32), (1, 16), (1, 16), (1, 8))
+    micro = packing.micro_batches(rows, cut, plan=plan)
+    for mb, (k, n) in zip(micro, plan):
+        assert {x.shape[0] for x in mb.values()} == {k} and mb["positions"].shape == (k, 3, n)
+        assert {x.shape[-1] for x in mb.values()} == {n}
+    for key, x in rows.items():
+        assert sum(float(np.abs(mb[key]).sum()) for mb in micro) == float(np.abs(x).sum()), key
+    assert [int((mb["segment_ids"] > 0).sum()) for mb in micro] == [64, 30, 12, 9, 5]
+    with pytest.raises(ValueError, match="a row of 9 tokens in a micro-batch of rows of 8"):
+        packing.micro_batches(rows, cut, plan=plan[:3] + ((1, 8), (1, 8)))
+    with pytest.raises(ValueError, match="holds 4 rows a shard, a shard has 6"):
+        packing.micro_batches(rows, cut, plan=plan[:3])
+    with pytest.raises(ValueError, match="rows of 32 tokens for a cut of 64"):
+        packing.micro_batches(rows, packing.Cut(1, 2, (64,)))
+
+
+def test_processes_agree_on_one_plan_that_holds_every_process_rows():
+    """Two processes' rows (one with a K-row micro-batch more, the other with longer last
+    rows) cut by one plan: the fewest K-row micro-batches, then the longest length either
+    needs at each one-row micro-batch; each process's rows fit it."""
+    rng = np.random.RandomState(4)
+    cut = packing.Cut(2, 2, (64, 32, 16))
+    rows = [_rows(rng, n, 64, cut=cut) for n in (30, 14)]
+    plans = [packing.micro_plan(r, cut) for r in rows]
+    common = packing.common_plan(plans, cut)
+    assert plans[0] != plans[1] and common == packing.common_plan(plans[::-1], cut)
+    blocks = min(p.count((2, 64)) for p in plans)
+    assert common[:blocks] == ((2, 64),) * blocks and (2, 64) not in common[blocks:]
+    for r in rows:
+        micro = packing.micro_batches(r, cut, plan=common)
+        assert [mb["tokens"].shape for mb in micro] == [(2 * k, n) for k, n in common]
+        assert sum(int((mb["segment_ids"] > 0).sum()) for mb in micro) == int(
+            (r["segment_ids"] > 0).sum())
+    assert packing.common_plan([plans[0]], cut) == plans[0]
+
+
+def test_the_last_rows_are_packed_short_the_issue_case():
+    """The shapes of issue #21 (one shard, 2 rows of 8192 a micro-batch, minibatches of 64
+    samples of a ~25-token prompt and a log-normal response of mean 300, at most 1024): best
+    fit with the cut packs the last rows into rows of 4K / 2K / 1K, every minibatch fills
+    >= 90% of what it computes (about 80% in full rows), and the rows still hold every
+    sequence once."""
+    rng = np.random.default_rng(0)
+    full, short = packing.Cut(1, 2, (8192,)), packing.Cut(1, 2, (8192, 4096, 2048, 1024))
+    before, after = [], []
+    for _ in range(20):
+        prompts = [np.ones(n, np.int32) for n in rng.integers(15, 40, 64)]
+        comps = [np.full(n, 3, np.int32) for n in
+                 np.clip(rng.lognormal(np.log(300) - 0.5, 1.0, 64).astype(int), 1, 1024)]
+        kw = dict(fit="best", max_segments=63)
+        plain, _ = packing.pack(prompts, comps, 8192, **kw)
+        packed, layout = packing.pack(prompts, comps, 8192, cut=short, **kw)
+        before.append(_fill(packing.micro_batches(plain, full)))
+        micro = packing.micro_batches(packed, short)
+        after.append(_fill(micro))
+        assert {mb["tokens"].shape for mb in micro} <= {(2, 8192), (1, 8192), (1, 4096),
+                                                         (1, 2048), (1, 1024)}
+        out = packing.unpack(packed, layout)
+        assert all(len(c) == len(w) for c, w in zip(out["completions"], comps))
+        assert packed["loss_mask"].sum() == sum(len(c) for c in comps)
+    assert min(after) >= 0.9 and np.mean(after) > 0.95 and np.mean(before) < 0.85
 
 
 def test_best_fit_fills_rows_balances_shards_and_bounds_segments():
@@ -118,7 +218,7 @@ def test_best_fit_fills_rows_balances_shards_and_bounds_segments():
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))   # no overlap
     prompts, comps = _samples(rng, 200, 200)
     batch, layout = packing.pack(prompts, comps, 512, fit="best", max_segments=8)
-    micro = packing.micro_batches(batch, 4, 2)
+    micro = packing.micro_batches(batch, packing.Cut(4, 2, (512,)))
     assert all((mb["segment_ids"] > 0).any() for mb in micro)
     total = sum(int((mb["segment_ids"] > 0).sum()) for mb in micro)
     assert total == int((batch["segment_ids"] > 0).sum())
@@ -163,6 +263,11 @@ def test_the_budget_is_derived_from_the_compiled_update():
 
     n1, n2, n4 = need(1, 256), need(2, 256), need(4, 256)
     assert 0 < n1 < n2 < n4                            # activations grow with the tokens
+    # A minibatch's last rows, cut short, need less than full ones: the budget holds for them.
+    assert 0 < need(1, 128) < n1 and budget_lib.row_lengths(256, 1) == (256, 128)
+    assert budget_lib.row_lengths(8192, 4) == (8192, 4096, 2048, 1024)
+    assert budget_lib.row_lengths(9000, 8) == (9000, 4608, 2304, 1152)   # whole tiles
+    assert budget_lib.row_lengths(128, 1) == (128,)
     got = budget_lib.resolve(row_len=256, max_tokens=0, longest=200, unit=1, need_bytes=need,
                              available=(n2 + n4) // 2)
     assert got.derived and got.rows_per_shard in (2, 3) and got.need_bytes <= (n2 + n4) // 2

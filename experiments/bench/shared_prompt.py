@@ -148,7 +148,7 @@ def rows(mode: str, vl_cfg, prompts, comps, adv, old):
         assert layout["shared"].all(), "the group was not shared"
     if vl_cfg is not None:
         batch = video.add_visual_rows(vl_cfg, batch, layout, prompts, [0] * G)
-    return packing.micro_batches(batch, 1, 1), layout
+    return packing.micro_batches(batch, packing.Cut(1, 1, (batch["tokens"].shape[1],))), layout
 
 
 def counts(cfg, n_params: int, state_bytes: int, micro) -> dict:

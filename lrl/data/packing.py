@@ -20,23 +20,58 @@ A sequence is ``prompt + completion``; several sequences share a row, each one a
 Rows are filled by first-fit decreasing (longest sequence first, into the first row with
 room) or, `fit="best"`, best-fit decreasing (into the row it fills most), with at most
 `max_segments` sequences a row when given (cuDNN's packed attention takes a bounded number
-of runs a row). Their number is padded with empty rows up to a multiple the caller gives.
-`unpack` inverts `pack` through the returned layout; `sft_pack` is `pack` for
-(prompt, response) records.
+of runs a row). A row's sequences lie one after another from position 0, so a row holding n
+tokens is whole in its first n positions. Their number is padded with empty rows up to a
+multiple the caller gives. `unpack` inverts `pack` through the returned layout; `sft_pack`
+is `pack` for (prompt, response) records.
 
-For an update cut by a token budget, `balance_rows` spreads the packed rows over the
-data-parallel shards so every shard gets nearly the same tokens (largest row first, to the
-shard with the fewest tokens, as LPT scheduling), and `micro_batches` cuts the rows into
-micro-batches of [shards x rows_per_shard, T] and, for the last rows, [shards, T], each
-shard's rows in its block.
+For an update cut by a token budget (a `Cut`), `balance_rows` spreads the packed rows over
+the data-parallel shards so every shard gets nearly the same tokens (largest row first, to
+the shard with the fewest tokens, as LPT scheduling), and `micro_batches` cuts the rows into
+micro-batches of [shards x rows_per_shard, T] and, for the last rows, [shards, T'], T' the
+shortest of the cut's row lengths that holds the tokens of each shard's row there; each
+shard's rows in its block. Best fit given the cut packs those last rows again, into rows as
+short as they can be (`best_fit`), so a minibatch's last micro-batches cost about what they
+hold rather than a full row each.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 BASE_KEYS = ("tokens", "positions", "segment_ids", "targets", "loss_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """How the update cuts a minibatch's rows into micro-batches: `rows_per_shard` rows of
+    each of `shards` data shards while every shard has that many full ones (a row is full
+    when no shorter length holds it), then one row a shard, cut to the shortest of `lengths`
+    that holds the tokens of every shard's row there. `lengths`: the packed row length T
+    first, then shorter ones, longest first (`lrl.rl.budget.row_lengths`)."""
+    shards: int
+    rows_per_shard: int
+    lengths: tuple
+
+    def __post_init__(self):
+        L = tuple(int(n) for n in self.lengths)
+        if (self.shards < 1 or self.rows_per_shard < 1 or not L or min(L) < 1
+                or any(a <= b for a, b in zip(L, L[1:]))):
+            raise ValueError(f"Cut: need shards >= 1 (got {self.shards}), rows_per_shard >= 1 "
+                             f"(got {self.rows_per_shard}) and decreasing positive lengths "
+                             f"(got {self.lengths})")
+        object.__setattr__(self, "lengths", L)
+
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """Every micro-batch shape the cut gives, as (rows a shard, row length)."""
+        T, K = self.lengths[0], self.rows_per_shard
+        return tuple(dict.fromkeys(((K, T),) + tuple((1, n) for n in self.lengths)))
+
+    def length_for(self, tokens: int) -> int:
+        """The shortest of the lengths that holds a row of `tokens` tokens."""
+        return min(n for n in self.lengths if n >= tokens)
 
 
 def first_fit(lengths: Sequence[int], row_len: int, *, decreasing: bool = True,
@@ -69,13 +104,16 @@ def first_fit(lengths: Sequence[int], row_len: int, *, decreasing: bool = True,
 
 
 def best_fit(lengths: Sequence[int], row_len: int, *, max_segments: int | None = None,
-             segments: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+             segments: Sequence[int] | None = None,
+             cut: Cut | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Best-fit decreasing: longest sequence first, each into the open row whose room it
     fills most (a new row when none has room, or when the rows with room would hold more
     than `max_segments` segments with it). A sequence is one segment unless `segments` says
-    how many it brings (a shared-prompt group: its prefix and its responses). Returns
-    (row, start) per sequence, in input order; ties keep input order, so the placement is
-    deterministic."""
+    how many it brings (a shared-prompt group: its prefix and its responses). With a `cut`
+    whose lengths go below `row_len`, the rows its one-row micro-batches would take are
+    packed again into short rows (`_refit_tail`); row numbers then run over the full rows
+    first. Returns (row, start) per sequence, in input order; ties keep input order, so the
+    placement is deterministic."""
     lengths = np.asarray(lengths, np.int64)
     weight = (np.ones(lengths.size, np.int64) if segments is None
               else np.asarray(segments, np.int64))
@@ -88,25 +126,114 @@ def best_fit(lengths: Sequence[int], row_len: int, *, max_segments: int | None =
                                                           weight.max() > max_segments)):
         raise ValueError(f"best_fit: max_segments={max_segments} must be >= 1 and at least "
                          f"the segments of any one sequence ({weight.max(initial=1)})")
+    if cut is not None and cut.lengths[0] != row_len:
+        raise ValueError(f"best_fit: the cut's rows are {cut.lengths[0]} tokens, not row_len "
+                         f"{row_len}")
     order = np.argsort(-lengths, kind="stable")
+    row, start = _fill(order, lengths, weight, [], max_segments, open_len=row_len)
+    if cut is not None and len(cut.lengths) > 1 and lengths.size:
+        row, start = _refit_tail(lengths, weight, row, start, max_segments, cut)
+    return row, start
+
+
+def _fill(order, lengths, weight, room, max_segments, open_len=None):
+    """Best fit of the sequences `order`, in that order, into rows of `room` tokens each, and
+    into new rows of `open_len` when none has room (None: a sequence that fits nowhere gets
+    row = start = -1) -> (row, start) per sequence, -1 for those not in `order`."""
     row = np.full(lengths.size, -1, np.int64)
     start = np.full(lengths.size, -1, np.int64)
-    used = np.zeros(0, np.int64)
-    count = np.zeros(0, np.int64)
+    cap = np.asarray(room, np.int64)
+    used = np.zeros(cap.size, np.int64)
+    count = np.zeros(cap.size, np.int64)
     for i in order:
-        room = row_len - used - lengths[i]
-        ok = room >= 0
+        left = cap - used - lengths[i]
+        ok = left >= 0
         if max_segments is not None:
             ok &= count + weight[i] <= max_segments
         if ok.any():
-            r = int(np.flatnonzero(ok)[np.argmin(room[ok])])
+            r = int(np.flatnonzero(ok)[np.argmin(left[ok])])
+        elif open_len is not None:
+            r = cap.size
+            cap, used, count = np.append(cap, open_len), np.append(used, 0), np.append(count, 0)
         else:
-            r = used.size
-            used, count = np.append(used, 0), np.append(count, 0)
+            continue
         row[i], start[i] = r, used[r]
         used[r] += lengths[i]
         count[r] += weight[i]
     return row, start
+
+
+def _refit_tail(lengths, weight, row, start, max_segments, cut: Cut):
+    """Best fit's rows -> the same with the rows that would ride in one-row micro-batches
+    packed again, as rounds of one row a shard of one of the cut's lengths (`_tail_rounds`).
+    Rows that no shorter length could hold for less, in whole micro-batches of
+    `rows_per_shard` rows a shard, stay as they are and come first: those with the longest
+    sequences, which short rows could not take."""
+    T, S, K = cut.lengths[0], cut.shards, cut.rows_per_shard
+    used = np.bincount(row, weights=lengths, minlength=int(row.max()) + 1).astype(np.int64)
+    longest = np.zeros(used.size, np.int64)
+    np.maximum.at(longest, row, lengths)
+    full = np.flatnonzero(used > T - cut.lengths[-1])
+    full = full[np.lexsort((-used[full], -longest[full]))]
+    body = np.sort(full[:full.size // (S * K) * (S * K)])
+    new_row = np.full(row.size, -1, np.int64)
+    new_start = np.full(row.size, -1, np.int64)
+    kept = np.isin(row, body)
+    new_row[kept] = np.searchsorted(body, row[kept])
+    new_start[kept] = start[kept]
+    rest = np.flatnonzero(~kept)
+    at = body.size
+    for r, st in _tail_rounds(rest[np.argsort(-lengths[rest], kind="stable")], lengths, weight,
+                              max_segments, S, cut.lengths):
+        placed = r >= 0
+        new_row[placed], new_start[placed] = at + r[placed], st[placed]
+        at += S
+    # A round's rows that got nothing leave no empty row behind.
+    return np.unique(new_row, return_inverse=True)[1].astype(np.int64), new_start
+
+
+def _tail_rounds(items, lengths, weight, max_segments, shards: int, row_lengths):
+    """The sequences `items` (longest first) -> rounds of `shards` rows of one of
+    `row_lengths` each, as (row within the round, start) per sequence, that hold them all in
+    the fewest positions this search finds, then the fewest rounds. It follows one chain:
+    while the rest does not fit the rounds so far, the next is filled best fit in the
+    longest length shorter than the shortest whose round would hold all the rest (the full
+    length while none would); each point of the chain is scored as if that shortest round
+    ended it."""
+    best, chain, cost = None, [], 0
+    asc = sorted(row_lengths)
+    while True:
+        if not items.size:
+            if best is None or (cost, len(chain)) < best[:2]:
+                best = (cost, len(chain), list(chain))
+            break
+        total = int(lengths[items].sum())
+        holds = None
+        for n in asc:
+            if shards * n >= total:
+                r, st = _fill(items, lengths, weight, [n] * shards, max_segments)
+                if (r[items] >= 0).all():
+                    holds = n
+                    break
+        if holds is not None:
+            if best is None or (cost + shards * holds, len(chain) + 1) < best[:2]:
+                best = (cost + shards * holds, len(chain) + 1, chain + [(r, st)])
+            shorter = [n for n in row_lengths if n < holds]
+            if not shorter:
+                break
+            n = shorter[0]
+        else:
+            n = row_lengths[0]
+        if best is not None and cost + shards * n >= best[0]:
+            break
+        r, st = _fill(items, lengths, weight, [n] * shards, max_segments)
+        placed = r[items] >= 0
+        if not placed.any():
+            break
+        chain.append((r, st))
+        cost += shards * n
+        items = items[~placed]
+    return best[2]
 
 
 def balance_rows(row_tokens: Sequence[int], num_shards: int) -> list[list[int]]:
@@ -125,54 +252,84 @@ def balance_rows(row_tokens: Sequence[int], num_shards: int) -> list[list[int]]:
     return shards
 
 
-def shard_rows(batch: Mapping[str, np.ndarray], num_shards: int) -> tuple[int, int]:
-    """(fewest, most) rows a shard gets from `balance_rows`: what `micro_batches`' plan is made
-    of (several processes agree on a plan from every process's counts)."""
-    tokens = (np.asarray(batch["segment_ids"]) > 0).sum(axis=1)
-    n = int((tokens > 0).sum())
-    return n // num_shards, -(-n // num_shards)
+def _extents(segment_ids: np.ndarray) -> np.ndarray:
+    """[B] the positions each row needs: up to its last token (0 for an empty row)."""
+    has = np.asarray(segment_ids) > 0
+    return np.where(has.any(axis=1), has.shape[1] - np.argmax(has[:, ::-1], axis=1), 0)
 
 
-def micro_batches(batch: Mapping[str, np.ndarray], num_shards: int, rows_per_shard: int,
-                  plan: tuple[int, int] | None = None) -> list[dict[str, np.ndarray]]:
-    """Packed rows -> micro-batches of [num_shards x k, ...] arrays, in two shapes at most:
-    k = rows_per_shard while every shard has that many rows left, then k = 1 for the rest, so
-    a minibatch's last rows do not ride in a micro-batch of mostly empty rows. Rows are
-    balanced over shards by tokens (`balance_rows`); micro-batch i holds the next k rows of
-    each shard's list, shard s in rows [s·k, (s+1)·k) (rows shard over devices in contiguous
-    blocks). A shard short of rows gets empty ones (all zeros, segment 0: no loss, no
-    gradient). Rows with no token at all are dropped first: they cost nothing. `plan`:
-    (fewest, most) rows of a shard to cut by, when several processes must run the same
-    sequence of shapes (`shard_rows` of each, the min of fewest and the max of most)."""
+def _shard_rows(batch: Mapping[str, np.ndarray], cut: Cut):
+    """(extents, each shard's rows by `balance_rows`, longest first); rows with no token at
+    all are dropped: they cost nothing."""
     seg = np.asarray(batch["segment_ids"])
-    tokens = (seg > 0).sum(axis=1)
-    live = np.flatnonzero(tokens > 0)
-    per_shard = balance_rows(tokens[live], num_shards)
-    fewest, most = plan if plan is not None else (min(len(p) for p in per_shard),
-                                                 max(len(p) for p in per_shard))
-    K = int(rows_per_shard)
-    full = fewest // K                                  # micro-batches of K rows a shard
-    sizes = [K] * full + [1] * (most - full * K)
-    # With K > 1 a minibatch always ends in a one-row micro-batch (empty when the K-row ones
-    # took every row), so the run's second shape compiles in its first step, not some later
-    # one. With K = 1 there is one shape, and an empty micro-batch would only cost a row's
-    # forward and backward. One micro-batch even of no rows.
-    if not sizes or (K > 1 and most == full * K):
-        sizes.append(1)
+    if seg.shape[1] != cut.lengths[0]:
+        raise ValueError(f"micro_batches: rows of {seg.shape[1]} tokens for a cut of "
+                         f"{cut.lengths[0]}")
+    extent = _extents(seg)
+    live = np.flatnonzero(extent > 0)
+    return extent, [[int(live[r]) for r in rows] for rows in balance_rows(extent[live],
+                                                                          cut.shards)]
+
+
+def micro_plan(batch: Mapping[str, np.ndarray], cut: Cut) -> tuple[tuple[int, int], ...]:
+    """The micro-batch shapes `micro_batches` cuts `batch` into, in order, as (rows a shard,
+    row length): `rows_per_shard` full rows a shard while every shard has that many, then
+    for each next row of the shards the shortest length that holds all of them. One
+    micro-batch even of no rows."""
+    extent, per_shard = _shard_rows(batch, cut)
+    T, K = cut.lengths[0], cut.rows_per_shard
+    need = [[cut.length_for(extent[r]) for r in rows] for rows in per_shard]
+    blocks = min(x.count(T) for x in need) // K
+    rest = [x[blocks * K:] for x in need]
+    tail = [max(x[j] for x in rest if j < len(x)) for j in range(max(map(len, rest)))]
+    return ((K, T),) * blocks + tuple((1, n) for n in tail) or ((1, cut.lengths[-1]),)
+
+
+def common_plan(plans: Sequence[Sequence[tuple[int, int]]], cut: Cut) -> tuple:
+    """One plan for several processes' rows (`micro_plan` of each), so they run the same
+    sequence of shapes: the fewest micro-batches of `rows_per_shard` full rows any has,
+    then for each one-row micro-batch after them the longest length any needs there (a
+    process's further full-row micro-batches count as that many full one-row ones)."""
+    T, K = cut.lengths[0], cut.rows_per_shard
+    blocks = [sum(k == K > 1 for k, _ in p) for p in plans]
+    tails = [[T] * (K * (b - min(blocks))) + [n for k, n in p if k == 1]
+             for p, b in zip(plans, blocks)]
+    return ((K, T),) * min(blocks) + tuple(
+        (1, max(t[j] for t in tails if j < len(t))) for j in range(max(map(len, tails))))
+
+
+def micro_batches(batch: Mapping[str, np.ndarray], cut: Cut,
+                  plan: Sequence[tuple[int, int]] | None = None) -> list[dict[str, np.ndarray]]:
+    """Packed rows -> micro-batches of [shards x k, ..., n] arrays, one for each (k, n) of
+    `plan` (by default `micro_plan`'s): the next k rows of each shard's list, shard s in
+    rows [s·k, (s+1)·k) (rows shard over devices in contiguous blocks), each array cut to
+    its first n positions (a row's tokens lie there; every per-row array, [B, T] or
+    [B, 3, T], is cut alike). Rows are balanced over shards by tokens (`balance_rows`). A
+    shard short of rows gets empty ones (all zeros, segment 0: no loss, no gradient), and
+    plan entries past the last rows give empty micro-batches. `plan`: one that several
+    processes agree on (`common_plan`), so they run the same sequence of shapes."""
+    extent, per_shard = _shard_rows(batch, cut)
+    plan = micro_plan(batch, cut) if plan is None else tuple(plan)
     out, at = [], 0
-    for k in sizes:
-        pick = np.full(num_shards * k, -1, np.int64)
+    for k, n in plan:
+        pick = np.full(cut.shards * k, -1, np.int64)
         for s, rows in enumerate(per_shard):
             part = rows[at:at + k]
-            pick[s * k:s * k + len(part)] = live[part]
+            if part and extent[part].max() > n:
+                raise ValueError(f"micro_batches: a row of {extent[part].max()} tokens in a "
+                                 f"micro-batch of rows of {n} (plan {plan})")
+            pick[s * k:s * k + len(part)] = part
         at += k
         mb = {}
         for key, x in batch.items():
             x = np.asarray(x)
-            y = np.zeros((num_shards * k,) + x.shape[1:], x.dtype)
-            y[pick >= 0] = x[pick[pick >= 0]]
+            y = np.zeros((cut.shards * k,) + x.shape[1:-1] + (n,), x.dtype)
+            y[pick >= 0] = x[pick[pick >= 0], ..., :n]
             mb[key] = y
         out.append(mb)
+    if any(len(rows) > at for rows in per_shard):
+        raise ValueError(f"micro_batches: plan {plan} holds {at} rows a shard, a shard has "
+                         f"{max(map(len, per_shard))}")
     return out
 
 
@@ -237,14 +394,16 @@ def pack(prompts: Sequence[Any], completions: Sequence[Any], row_len: int, *,
          seq_values: Mapping[str, Sequence[float]] | None = None,
          token_values: Mapping[str, Sequence[Any]] | None = None,
          rows_multiple: int = 1, min_rows: int = 0, truncate: bool = False,
-         decreasing: bool = True, fit: str = "first",
-         max_segments: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+         decreasing: bool = True, fit: str = "first", max_segments: int | None = None,
+         cut: Cut | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Packs ``prompts[i] + completions[i]`` into rows of `row_len` tokens.
 
     `seq_values[key][i]` is broadcast over sequence i; `token_values[key][i]` has one value per
     completion token of sequence i. A sequence longer than `row_len` is an error, or with
     `truncate` its completion (and its token values) is cut to fit, and counted. The number of
-    rows is at least `min_rows`, rounded up to a multiple of `rows_multiple`.
+    rows is at least `min_rows`, rounded up to a multiple of `rows_multiple`. `cut` (with
+    `fit="best"`): the micro-batches the rows go to, whose last rows are packed short
+    (`best_fit`).
 
     Returns (batch, layout): batch as in the module docstring; layout holds per-sequence
     ``row``, ``start``, ``prompt_len``, ``completion_len`` (after truncation), the counters
@@ -259,12 +418,12 @@ def pack(prompts: Sequence[Any], completions: Sequence[Any], row_len: int, *,
     p_len = np.array([len(x) for x in p_ids], np.int64)
     c_len = np.array([len(x) for x in c_ids], np.int64)
     if fit == "best":
-        row, start = best_fit(p_len + c_len, row_len, max_segments=max_segments)
-    elif fit == "first" and max_segments is None:
+        row, start = best_fit(p_len + c_len, row_len, max_segments=max_segments, cut=cut)
+    elif fit == "first" and max_segments is None and cut is None:
         row, start = first_fit(p_len + c_len, row_len, decreasing=decreasing)
     else:
-        raise ValueError(f"pack: fit={fit!r} (max_segments only with fit='best'); choose "
-                         "'first' or 'best'")
+        raise ValueError(f"pack: fit={fit!r} (max_segments and cut only with fit='best'); "
+                         "choose 'first' or 'best'")
     num_rows = max(int(row.max()) + 1 if n else 0, min_rows)
     num_rows = -(-num_rows // rows_multiple) * rows_multiple
 

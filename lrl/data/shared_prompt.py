@@ -87,7 +87,8 @@ def pack_groups(prompts: Sequence[Any], completions: Sequence[Any], row_len: int
                 seq_values: Mapping[str, Sequence[float]] | None = None,
                 token_values: Mapping[str, Sequence[Any]] | None = None,
                 rows_multiple: int = 1, min_rows: int = 0, truncate: bool = False,
-                max_segments: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
+                max_segments: int | None = None,
+                cut: packing.Cut | None = None) -> tuple[dict[str, np.ndarray], dict]:
     """`packing.pack(..., fit="best")` with the shared-prompt layout for the sequences whose
     `share[i]` is set: sequences of one `groups[i]` share one prompt (their prompts must be
     equal). Returns (batch, layout): batch as `pack`'s plus ``prefix_ids``; layout as
@@ -137,7 +138,7 @@ def pack_groups(prompts: Sequence[Any], completions: Sequence[Any], row_len: int
     if max_segments is not None and max_segments < 2 and any(sh for _, sh in units):
         raise ValueError(f"pack_groups: max_segments={max_segments}; a shared group needs 3")
     row, start = packing.best_fit(lengths, row_len, max_segments=max_segments,
-                                  segments=segments)
+                                  segments=segments, cut=cut)
     num_rows = max(int(row.max()) + 1 if units else 0, min_rows)
     num_rows = -(-num_rows // rows_multiple) * rows_multiple
 

@@ -10,8 +10,10 @@ A micro-batch is `rows_per_shard` packed rows of `row_len` tokens on each data s
 spans the shard's `seq` devices). With `rl.row_len=0` and a budget to derive, a row holds the
 longest sample and at least `ROW_FLOOR` tokens, and memory sets how many rows a micro-batch
 takes; with `rl.row_len=0` and a configured budget, a micro-batch is one row of the budget.
-A minibatch's last rows go in micro-batches of one row a shard (`packing.micro_batches`), so
-the update compiles for two shapes at most.
+A minibatch's last rows go in micro-batches of one row a shard, each row as short as one of
+`row_lengths` that holds its tokens (`packing.micro_batches`), so the update compiles for
+five shapes at most. A shorter row needs less of the update's memory than a full one (fewer
+activations, a smaller attention block), so the budget measured at full rows holds for all.
 """
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ USABLE = 0.9
 # (BENCHMARKS.md's update table: 41.6% MFU in rows of 4K against 49% at 16K), short enough
 # that a minibatch fills its rows.
 ROW_FLOOR = 8192
+# The shortest a minibatch's last rows are cut to: an eighth of a row (1K of 8K tokens). Each
+# halving compiles one more shape of the update and the log-prob pass, and saves at most half
+# what the one before did; with three a minibatch's tail wastes about half of 1K tokens.
+SHORTEST = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +77,23 @@ def program_bytes(compiled) -> int:
 
 def _round_up(n: int, unit: int) -> int:
     return -(-int(n) // unit) * unit
+
+
+def row_lengths(row_len: int, unit: int, align: int = 128,
+                shortest: int = SHORTEST) -> tuple[int, ...]:
+    """The row lengths a micro-batch may have: `row_len`, then about its half, quarter, ...
+    down to 1/`shortest` of it, each rounded up to a multiple of `unit` (the ring's 2·seq
+    chunks) and `align` (the kernels' tiles) and shorter than the one before."""
+    import math
+    step = math.lcm(unit, align)
+    out = [int(row_len)]
+    d = 2
+    while d <= shortest:
+        n = _round_up(-(-row_len // d), step)
+        if n < out[-1]:
+            out.append(n)
+        d *= 2
+    return tuple(out)
 
 
 def smallest_shape(*, row_len: int, max_tokens: int, longest: Optional[int], unit: int,

@@ -5,10 +5,11 @@ micro-batch loss handed to this skeleton, in one of two forms:
 
 - `accumulate_and_apply`: one program over a whole batch, its micro-batches summed by a
   `lax.scan` (the batch's shape is the program's);
-- `AccumulatePrograms`: three programs compiled once for one micro-batch shape, driven from
-  the host (`run_accumulated`): `start` zeroes an accumulator, `accumulate` adds one
-  micro-batch's gradient and metrics into it, `apply` takes the optimizer step. A step's
-  number of micro-batches can change from step to step without a compile.
+- `AccumulatePrograms`: three programs driven from the host (`run_accumulated`): `start`
+  zeroes an accumulator (compiled once), `accumulate` adds one micro-batch's gradient and
+  metrics into it (compiled once per micro-batch shape), `apply` takes the optimizer step
+  (once). A step's number of micro-batches, and of each shape, can change from step to step
+  without a compile.
 
 Both give the one-big-batch gradient when the micro-batch losses are normalised by the whole
 batch (token and sequence counts taken once over all of it).
@@ -119,7 +120,7 @@ def accumulate_and_apply(state: TrainState, batch, micro_loss: Callable, *, mode
     return _finish(state, grads, metrics, tx)
 
 
-# --- One micro-batch shape, driven from the host -------------------------------------------
+# --- Micro-batches driven from the host --------------------------------------------------
 
 class Accumulator(NamedTuple):
     grads: Any        # fp32, sharded like the parameters
@@ -136,9 +137,29 @@ class AccumulatePrograms(NamedTuple):
     apply: Callable
 
 
-def _start(params, mb, *args, micro_loss, model_cfg, mesh):
-    shapes = jax.eval_shape(micro_loss, params, mb, *args)[1]
-    return Accumulator(_zero_grads(model_cfg, params, mesh), _metric_identity(shapes))
+def _start(params, *, metric_shapes, model_cfg, mesh):
+    return Accumulator(_zero_grads(model_cfg, params, mesh), _metric_identity(metric_shapes))
+
+
+class _Start:
+    """`start(params, mb, *args)` in one program whatever the micro-batch's shape: a minibatch
+    may begin with any of the run's shapes, and the accumulator (the parameters' shapes,
+    scalar metrics) is the same for all. The metrics' structure is traced, not compiled,
+    from the first micro-batch of each set of arrays."""
+
+    def __init__(self, micro_loss, model_cfg, mesh, out_shardings):
+        self._micro_loss, self._model_cfg, self._mesh = micro_loss, model_cfg, mesh
+        self._out_shardings, self._programs = out_shardings, {}
+
+    def __call__(self, params, mb, *args):
+        key = (tuple(sorted(mb)), jax.tree.structure(args))
+        if key not in self._programs:
+            shapes = jax.eval_shape(self._micro_loss, params, mb, *args)[1]
+            fn = functools.partial(_start, metric_shapes=shapes, model_cfg=self._model_cfg,
+                                   mesh=self._mesh)
+            self._programs[key] = (jax.jit(fn) if self._out_shardings is None
+                                   else jax.jit(fn, out_shardings=self._out_shardings))
+        return self._programs[key](params)
 
 
 def _accumulate(params, acc: Accumulator, mb, *args, micro_loss, mesh):
@@ -154,24 +175,25 @@ def _apply(state: TrainState, acc: Accumulator, *, tx):
 def make_accumulate_programs(micro_loss: Callable, model_cfg, tx, mesh=None, *,
                              uninit_scan: Optional[bool] = None) -> AccumulatePrograms:
     """The three programs for `micro_loss(params, mb, *args) -> (loss, metrics)`, jitted once:
-    each compiles once per micro-batch shape. With a mesh the accumulator's gradients keep the
-    parameters' sharding, the state keeps its own, metrics are replicated. `uninit_scan`: as
-    `jit_step`, for `accumulate` (the program that runs the layer scans)."""
+    `accumulate` compiles once per micro-batch shape, the others once. With a mesh the
+    accumulator's gradients keep the parameters' sharding, the state keeps its own, metrics
+    are replicated. `uninit_scan`: as `jit_step`, for `accumulate` (the program that runs the
+    layer scans)."""
     if uninit_scan is None:
         uninit_scan = mesh is None or mesh.size == 1
-    start = functools.partial(_start, micro_loss=micro_loss, model_cfg=model_cfg, mesh=mesh)
     acc = functools.partial(_accumulate, micro_loss=micro_loss, mesh=mesh)
     apply = functools.partial(_apply, tx=tx)
     if mesh is None:
         jit_acc = jax.jit(acc, donate_argnums=(1,))
-        programs = AccumulatePrograms(jax.jit(start), jit_acc, jax.jit(apply, donate_argnums=(0,)))
+        programs = AccumulatePrograms(_Start(micro_loss, model_cfg, mesh, None), jit_acc,
+                                      jax.jit(apply, donate_argnums=(0,)))
     else:
         rep = mesh_lib.replicated(mesh)
         grads_sh = models.param_shardings(model_cfg, mesh)
         acc_sh = Accumulator(grads_sh, rep)
         state_sh = train_state_shardings(model_cfg, tx, mesh)
         jit_acc = jax.jit(acc, donate_argnums=(1,), out_shardings=acc_sh)
-        programs = AccumulatePrograms(jax.jit(start, out_shardings=acc_sh), jit_acc,
+        programs = AccumulatePrograms(_Start(micro_loss, model_cfg, mesh, acc_sh), jit_acc,
                                       jax.jit(apply, donate_argnums=(0,),
                                               out_shardings=(state_sh, rep)))
     if uninit_scan:

@@ -223,9 +223,10 @@ def make_update_fn(model_cfg, loss_cfg, tx, mesh=None, *, num_micro: int = 1,
 
 
 class UpdatePrograms(NamedTuple):
-    """The policy update for one micro-batch shape, compiled once and driven from the host:
+    """The policy update, compiled once per micro-batch shape and driven from the host:
     `run_update(programs, state, micro_batches, extra)` is one optimizer step over however
-    many micro-batches the minibatch has (`lrl.rl.train.AccumulatePrograms`)."""
+    many micro-batches the minibatch has, of any of the run's shapes
+    (`lrl.rl.train.AccumulatePrograms`)."""
     programs: AccumulatePrograms
     objective: Objective
     extra_keys: tuple
@@ -245,13 +246,23 @@ def make_update_programs(model_cfg, loss_cfg, tx, mesh=None, *, chunk: int = 102
 
 
 def run_update(u: UpdatePrograms, state: TrainState, micro_batches, denoms, extra=None):
-    """One optimizer step over `micro_batches` (placed on the devices, all of one shape) of
-    a minibatch whose denominators are `denoms` (`host_denominators`) -> (state, metrics)."""
+    """One optimizer step over `micro_batches` (placed on the devices, each of any of the
+    run's shapes) of a minibatch whose denominators are `denoms` (`host_denominators`) ->
+    (state, metrics)."""
     for mb in micro_batches:
         _check_batch(mb, 1, optional=OPTIONAL_KEYS + u.extra_keys)
     state, metrics = run_accumulated(u.programs, state, micro_batches, denoms, extra)
     metrics["sequences"] = denoms.sequences
     return state, metrics
+
+
+def compile_shapes(u: UpdatePrograms, params, micro_batches, denoms, extra=None) -> None:
+    """Runs `accumulate` on each of `micro_batches` into an accumulator then dropped: their
+    shapes compile (ahead of a step that needs them) and no optimizer step is taken."""
+    for mb in micro_batches:
+        _check_batch(mb, 1, optional=OPTIONAL_KEYS + u.extra_keys)
+        u.programs.accumulate(params, u.programs.start(params, mb, denoms, extra), mb, denoms,
+                              extra)
 
 
 def need_bytes(u: UpdatePrograms, params, mb_spec: dict, extra_spec=None) -> int:
