@@ -196,6 +196,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                      # after each decode call); 0 = stop on finished groups only
         partial_tail=0.0,            # also stop once no sample waits and fewer than this share
                                      # of the slots are live (the tail); 0 = never
+        partial_seconds=0.0,         # also stop once the rollout has run this long (checked
+                                     # after each decode call); 0 = no time budget
         max_staleness=2,             # a carried group whose oldest token is more than this many
                                      # steps old is dropped (and counted), never trained
         partial_keep_kv=True))       # with partial: a carried sample's KV pages stay in the

@@ -204,7 +204,8 @@ def partial_rollout(s: Setup, params, carry: tuple, new_prompts: list, step: int
         outs = _generate(s, params, ids, group_size=G, seed=seed, stats=st,
                          samples_per_prompt=counts, max_new_per_prompt=max_new,
                          max_new_fn=forced,
-                         stop_fn=partial.stop_rule(pending, index, P, ro.partial_tokens),
+                         stop_fn=partial.stop_rule(pending, index, P, ro.partial_tokens,
+                                                   ro.partial_seconds),
                          stop_below=math.ceil(ro.partial_tail * ro.max_slots),
                          unfinished=unfinished, kept_out=keep,
                          kept=[pending[per[0][0]].samples[per[0][1]].kept for per in index])

@@ -307,6 +307,7 @@ class RolloutOptions:
     partial_tokens: int = _opt(ge=0)    # decode tokens a step samples at most; 0 = no budget
     partial_tail: float = _opt(ge=0, lt=1)   # stop once nothing waits and fewer than this
                                              # share of the slots are live; 0 = never
+    partial_seconds: float = _opt(ge=0)  # a step's rollout stops after this long; 0 = no limit
     max_staleness: int = _opt(ge=0)     # policy versions a carried group may span, then dropped
     partial_keep_kv: bool = _opt()      # with partial: carried samples keep their KV pages in
                                         # the pool (else they are prefilled again)
@@ -472,7 +473,7 @@ def _check_partial(o: Options) -> None:
     """What partial rollouts (`rollout.partial`) cannot run with yet."""
     ro = o.rollout
     if not ro.partial:
-        for name in ("partial_tokens", "partial_tail"):
+        for name in ("partial_tokens", "partial_tail", "partial_seconds"):
             if getattr(ro, name):
                 raise ValueError(f"rollout.{name}={getattr(ro, name)} stops a partial rollout: "
                                  "set rollout.partial=True, or leave it 0")

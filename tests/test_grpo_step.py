@@ -84,7 +84,8 @@ def test_text_prompts_above_sp_min_tokens_prefill_over_seq(monkeypatch):
     ro = options.RolloutOptions(page_size=8, max_slots=4, pool_tokens=0, pool_fraction=0.4,
                                 prefill_tokens=1024, sp_min_tokens=48, narrow_decode=True,
                                 partial=False,
-                                partial_tokens=0, partial_tail=0.0, max_staleness=2,
+                                partial_tokens=0, partial_tail=0.0, partial_seconds=0.0,
+                                max_staleness=2,
                                 partial_keep_kv=True)
     setup = grpo.Setup(rl=rl, rollout=ro, seed=0, task=None, tokenizer=None, model_cfg=cfg,
                        mesh=mesh, eos_ids=(), pool=None, update=None, logprobs=None, shards=4,
@@ -144,7 +145,8 @@ def _mismatch_setup(rows_per_shard=1, **rl_kw):
     ro = options.RolloutOptions(page_size=4, max_slots=8, pool_tokens=0, pool_fraction=0.4,
                                 prefill_tokens=256, sp_min_tokens=0, narrow_decode=True,
                                 partial=False,
-                                partial_tokens=0, partial_tail=0.0, max_staleness=2,
+                                partial_tokens=0, partial_tail=0.0, partial_seconds=0.0,
+                                max_staleness=2,
                                 partial_keep_kv=True)
     return grpo.Setup(rl=rl, rollout=ro, seed=5, task=_TextRows(), tokenizer=None,
                       model_cfg=TINY, mesh=None, eos_ids=(), pool=None, update=None,

@@ -28,7 +28,7 @@ MAX_NEW = 40   # more than a decode call's 16 steps: a budget can stop a sample 
 
 
 def _setup(max_slots=4, partial_tokens=50, max_staleness=2, prompts_per_step=3,
-           partial_tail=0.0):
+           partial_tail=0.0, partial_seconds=0.0):
     c = config_util.load(os.path.join(ROOT, "configs", "default.py"), "runlocal")
     c.rl.update(max_new_tokens=MAX_NEW, temperature=0.0, group_size=2,
                 prompts_per_step=prompts_per_step)
@@ -37,7 +37,8 @@ def _setup(max_slots=4, partial_tokens=50, max_staleness=2, prompts_per_step=3,
     ro = options.RolloutOptions(page_size=4, max_slots=max_slots, pool_tokens=0,
                                 pool_fraction=0.4, prefill_tokens=256, sp_min_tokens=0,
                                 narrow_decode=True, partial=True, partial_tokens=partial_tokens,
-                                partial_tail=partial_tail, max_staleness=max_staleness,
+                                partial_tail=partial_tail, partial_seconds=partial_seconds,
+                                max_staleness=max_staleness,
                                 partial_keep_kv=True)
     return grpo.Setup(rl=rl, rollout=ro, seed=0, task=None, tokenizer=None, model_cfg=TINY,
                       mesh=None, eos_ids=(), pool=None, update=None, logprobs=None, shards=1,
@@ -244,11 +245,33 @@ def test_the_staleness_cap_drops_and_counts_whole_groups():
     assert kept == () and m["partial/carried_samples"] == 0
 
 
+def test_a_time_budget_stops_the_rollout_and_the_next_step_goes_on():
+    """`rollout.partial_seconds`: a budget spent at once stops the step after its first
+    collected decode call; what ran is carried, and the samples still finish later with the
+    tokens of one uninterrupted rollout (greedy, unchanged weights)."""
+    s = _setup(max_slots=8, partial_tokens=0, prompts_per_step=3, partial_seconds=1e-9)
+    params, prompts = _params(1), _prompts()
+    want = grpo.rollout_groups(s, params, prompts, group_size=2, seed=0)
+    groups, carry, m = grpo.partial_rollout(s, params, (), prompts, 0, seed=0)
+    assert groups.P == 0 and m["partial/carried_samples"] == 6
+    assert all(0 < x.tokens.size < MAX_NEW for g in carry for x in g.samples)
+    s = dataclasses.replace(s, rollout=dataclasses.replace(s.rollout, partial_seconds=0.0))
+    groups, carry, m = grpo.partial_rollout(s, params, carry, [], 1, seed=1)
+    assert groups.P == 3 and not carry
+    np.testing.assert_array_equal(np.concatenate(groups.completions),
+                                  np.concatenate(want.completions))
+
+
 def test_partial_options_are_checked():
     c = config_util.load(os.path.join(ROOT, "configs", "default.py"), "runlocal")
     c.rollout.partial_tokens = 100
     with pytest.raises(ValueError, match="rollout.partial_tokens=100.*rollout.partial=True"):
         options.from_config(c, check_files=False)
+    c.rollout.partial_tokens = 0
+    c.rollout.partial_seconds = 2.5
+    with pytest.raises(ValueError, match="rollout.partial_seconds=2.5.*rollout.partial=True"):
+        options.from_config(c, check_files=False)
+    c.rollout.partial_seconds = 0.0
     c.rollout.partial = True
     c.rl.dynamic_sampling = True
     with pytest.raises(ValueError, match="rl.dynamic_sampling"):

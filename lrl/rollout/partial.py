@@ -28,6 +28,7 @@ P prompts · G samples per prompt.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Optional
 
 import numpy as np
@@ -115,18 +116,22 @@ def requests(pending: tuple, max_new_tokens: int):
     return ids, counts, max_new, index
 
 
-def stop_rule(pending: tuple, index: list, target_groups: int, token_budget: int):
+def stop_rule(pending: tuple, index: list, target_groups: int, token_budget: int,
+              seconds: float = 0.0):
     """`generate`'s stop_fn: stop once `target_groups` groups are complete (those complete
-    already count) or `token_budget` tokens have been sampled (0: no budget)."""
+    already count), `token_budget` tokens have been sampled (0: no budget) or `seconds` have
+    passed since this rule was made, just before the rollout (0: no time budget)."""
     left = [sum(not x.done for x in g.samples) for g in pending]
     complete = [sum(n == 0 for n in left)]
+    deadline = time.monotonic() + seconds if seconds > 0 else None
 
     def stop(finished: list, sampled: int) -> bool:
         for p, g in finished:
             i, _ = index[p][g]
             left[i] -= 1
             complete[0] += left[i] == 0
-        return complete[0] >= target_groups or (token_budget > 0 and sampled >= token_budget)
+        return (complete[0] >= target_groups or (token_budget > 0 and sampled >= token_budget)
+                or (deadline is not None and time.monotonic() >= deadline))
     return stop
 
 
