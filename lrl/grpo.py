@@ -134,13 +134,19 @@ class Setup:
 # ----------------------------------------------------------------------------- rollout
 
 def _generate(s: Setup, params, ids: list, *, group_size: int, seed: int,
-              temperature: Optional[float] = None, stats: Optional[dict] = None, **kw):
-    """`rollout.generate` with the run's engine and sampling settings."""
+              temperature: Optional[float] = None, stats: Optional[dict] = None,
+              samples: Optional[list] = None, **kw):
+    """`rollout.generate` with the run's engine and sampling settings. `samples`: for each
+    sample id in order (they run on over the requests), (its group's prompt ids, its index in
+    the group, the tokens it has): the key of a benchmark's forced length (`max_new_fn`);
+    by default every request is a fresh group of `group_size`."""
     rl_ = s.rl
-    forced = kw.pop("max_new_fn", None)
-    if forced is None and s.max_new_fn is not None:   # sample ids are p * G + g
-        forced = lambda sid: s.max_new_fn(  # noqa: E731
-            (np.asarray(ids[sid // group_size], np.int32).tobytes(), sid % group_size))
+    forced = None
+    if s.max_new_fn is not None:
+        who = samples if samples is not None else [(p, g, 0) for p in ids
+                                                   for g in range(group_size)]
+        forced = lambda sid: max(1, s.max_new_fn(  # noqa: E731
+            (np.asarray(who[sid][0], np.int32).tobytes(), who[sid][1])) - who[sid][2])
     return rollout.generate(
         s.model_cfg, params, ids, max_new_tokens=rl_.max_new_tokens, num_samples=group_size,
         temperature=rl_.temperature if temperature is None else temperature,
@@ -195,15 +201,10 @@ def partial_rollout(s: Setup, params, carry: tuple, new_prompts: list, step: int
     keep = {} if ro.partial_keep_kv and s.engine is not None else None
     if ids and sum(g.complete for g in pending) < P:
         unfinished = []
-        forced = None
-        if s.max_new_fn is not None:   # sample ids run on over the requests in order
-            who = [ij for per in index for ij in per]
-            forced = lambda sid: max(1, s.max_new_fn(  # noqa: E731
-                (np.asarray(pending[who[sid][0]].prompt.ids, np.int32).tobytes(), who[sid][1]))
-                - pending[who[sid][0]].samples[who[sid][1]].tokens.size)
-        outs = _generate(s, params, ids, group_size=G, seed=seed, stats=st,
+        samples = [(pending[i].prompt.ids, j, pending[i].samples[j].tokens.size)
+                   for per in index for i, j in per]
+        outs = _generate(s, params, ids, group_size=G, seed=seed, stats=st, samples=samples,
                          samples_per_prompt=counts, max_new_per_prompt=max_new,
-                         max_new_fn=forced,
                          stop_fn=partial.stop_rule(pending, index, P, ro.partial_tokens,
                                                    ro.partial_seconds),
                          stop_below=math.ceil(ro.partial_tail * ro.max_slots),

@@ -251,17 +251,10 @@ def _engine(r: Run, state, reserve: int = 0):
                 f"{prompt} + {new} tokens; raise it, or set rollout.pool_tokens")
     else:
         num_pages = full
-    # A carried sample (partial rollouts) comes back as a prompt of up to prompt + new - 1
-    # tokens: a prefill row that holds it runs the packed kernel in one call, where a longer
-    # one goes chunk after chunk through the paged path (re-prefill was 1.4 s of a 5.5 s step
-    # in chunks of 256, BENCHMARKS.md, "Eleventh session"). Its cached tokens: prompt + new - 2.
-    chunk = (min(4096, max(16, 1 << max(0, prompt + new - 3).bit_length())) if ro.partial
-             else None)
     ecfg = rollout_lib.engine_config(
         cfg, max_prompt_len=prompt, max_new_tokens=new, max_slots=ro.max_slots,
-        num_pages=num_pages, page_size=ps, prefill_chunk=chunk,
-        prefill_tokens=max(ro.prefill_tokens, chunk or 0),
-        eos_ids=r.eos_ids,
+        num_pages=num_pages, page_size=ps, prefill_tokens=ro.prefill_tokens,
+        resumed_prompts=ro.partial, eos_ids=r.eos_ids,
         sampling=rollout_lib.SamplingParams(rl_.temperature, rl_.top_k, rl_.top_p),
         narrow_widths=None if ro.narrow_decode else ())
     engine = rollout_lib.Engine(cfg, ecfg, r.mesh)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,6 @@ def row_lengths(row_len: int, unit: int, align: int = 128,
     """The row lengths a micro-batch may have: `row_len`, then about its half, quarter, ...
     down to 1/`shortest` of it, each rounded up to a multiple of `unit` (the ring's 2·seq
     chunks) and `align` (the kernels' tiles) and shorter than the one before."""
-    import math
     step = math.lcm(unit, align)
     out = [int(row_len)]
     d = 2

@@ -432,24 +432,19 @@ class Engine:
         over = {k: v for k, v in (("sampling", sampling), ("eos_ids", eos_ids)) if v is not None}
         ecfg = dataclasses.replace(self.ecfg, **over) if over else self.ecfg
         width = self.width_for(len(rows)) if rows is not None else ecfg.max_slots
+        program, args = decode_steps, (params, decode_state, rng)
         if width < ecfg.max_slots:
             ecfg = self._narrow_ecfg(ecfg, width)
-            idle = [s for s in range(ecfg.max_slots) if s not in set(rows)]
+            live = set(rows)
+            idle = [s for s in range(ecfg.max_slots) if s not in live]
             rows_W = np.asarray(list(rows) + idle[:width - len(rows)], np.int32)
-            step = lambda e: decode_rows(self.cfg, e, params, decode_state, rng,  # noqa: E731
-                                         rows_W, num_steps=num_steps)
-            lower = lambda e: decode_rows.lower(self.cfg, e, params, decode_state,  # noqa: E731
-                                                rng, rows_W, num_steps=num_steps)
-        else:
-            step = lambda e: decode_steps(self.cfg, e, params, decode_state, rng,  # noqa: E731
-                                          num_steps=num_steps)
-            lower = lambda e: decode_steps.lower(self.cfg, e, params, decode_state,  # noqa: E731
-                                                 rng, num_steps=num_steps)
+            program, args = decode_rows, args + (rows_W,)
+        step = lambda e: program(self.cfg, e, *args, num_steps=num_steps)  # noqa: E731
         on_gpu = ecfg.attention_impl in pa.PALLAS or ecfg.sampling_impl == "pallas"
         if not on_gpu or self._pallas_ok:
             return step(ecfg)
         try:   # lowering errors surface before dispatch, so the donated state is intact
-            lower(ecfg).compile()
+            program.lower(self.cfg, ecfg, *args, num_steps=num_steps).compile()
             self._pallas_ok = True
         except Exception as e:  # noqa: BLE001
             self.fallback = f"{type(e).__name__}: {e}"[:500]

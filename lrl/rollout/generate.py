@@ -73,15 +73,22 @@ def engine_config(cfg: ModelConfig, *, max_prompt_len: int, max_new_tokens: int,
                   pallas_stages: int = 1, pallas_kv_per_program: int = 1,
                   layer_unroll: int = 1, fused_decode: bool = False,
                   sampling_impl: Optional[str] = None,
-                  narrow_widths: Optional[Sequence[int]] = None) -> EngineConfig:
+                  narrow_widths: Optional[Sequence[int]] = None,
+                  resumed_prompts: bool = False) -> EngineConfig:
     """An engine's configuration from the sizes it must serve: prompts of at most
     `max_prompt_len` tokens with `max_new_tokens` more, `max_slots` decode rows, a pool of
     `num_pages`. A prefill call is [R, C]: C = `prefill_chunk` (None: the longest prompt's
     cached tokens, a power of two from 16 to 4096), R = `prefill_tokens` // C, and no more
     rows than `max_prompts` prompts fill (when given). `narrow_widths` (None: a quarter of the
-    slots, a sixteenth, ..., down to 16 rows) are the tail's narrower decode calls."""
+    slots, a sixteenth, ..., down to 16 rows) are the tail's narrower decode calls.
+    `resumed_prompts`: a prompt may come back with its sample's tokens so far (partial
+    rollouts), up to `max_prompt_len + max_new_tokens - 1` tokens, and C is sized for that: a
+    carried sample in one packed row, not chunk after chunk through the paged path
+    (re-prefill was 1.4 s of a 5.5 s step in chunks of 256, BENCHMARKS.md, "Eleventh
+    session")."""
     if prefill_chunk is None:
-        prefill_chunk = min(4096, max(16, 1 << max(0, max_prompt_len - 2).bit_length()))
+        longest = max_prompt_len + (max_new_tokens - 1 if resumed_prompts else 0)
+        prefill_chunk = min(4096, max(16, 1 << max(0, longest - 2).bit_length()))
     rows = max(1, prefill_tokens // prefill_chunk)
     if max_prompts is not None:
         rows = min(rows, 1 << max(0, max_prompts - 1).bit_length())
