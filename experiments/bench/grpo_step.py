@@ -168,6 +168,9 @@ def main():
     ap.add_argument("--no-narrow", action="store_true",
                     help="rollout.narrow_decode=False: every decode call computes all slots")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--table-from", default="",
+                    help="print the table of a run's metrics.jsonl (one cut short, say) "
+                         "without running; give the run's other flags as they were")
     a = ap.parse_args()
     defaults = {"short": (300, 1024), "long": (4096, 16384)}
     mean, cap = defaults.get(a.case, (4096, 16384))
@@ -190,6 +193,8 @@ def main():
     if "bench_coin" not in registry.names():
         rewards.register("bench_coin")(_coin)
     c = make_config(a)
+    if a.table_from:
+        return table(a, c, a.table_from, wall=float("nan"))
     build = loop.build_grpo
 
     def with_lengths(*args):
@@ -200,12 +205,17 @@ def main():
     shutil.rmtree(a.workdir, ignore_errors=True)
     t0 = time.time()
     loop.run(c, a.workdir)
-    wall = time.time() - t0
+    table(a, c, os.path.join(a.workdir, "metrics.jsonl"), wall=time.time() - t0)
+
+
+def table(a, c, metrics_path: str, wall: float):
+    """The benchmark's table (and --json) from a run's metrics.jsonl."""
+    import jax
     from lrl import experiment
     from lrl.tasks import text
     opts = experiment.options(c)
     cfg = text.model_config(opts, text.build_tokenizer(opts, a.workdir))
-    rows = [json.loads(x) for x in open(os.path.join(a.workdir, "metrics.jsonl"))]
+    rows = [json.loads(x) for x in open(metrics_path)]
     rows = [r for r in rows if "pack/tokens" in r]
     n_dev = jax.device_count()
     out = []
