@@ -1,5 +1,5 @@
 """Ten GRPO steps whose prompt and response lengths vary widely compile every program of the
-rollout and of the update once, and all in the first steps: a step's lengths change how many
+rollout and of the update once, and all in the first step: a step's lengths change how many
 calls it makes (micro-batches of each shape, prefill calls, decode calls), never a shape."""
 import dataclasses
 import os
@@ -74,7 +74,7 @@ def test_ten_steps_of_varied_lengths_compile_each_program_once(tmp_path, monkeyp
     # the first step: `grpo.warm_up`).
     assert len({tuple(x) for x in shapes}) > 1
     assert set(sum(shapes, [])) == {(4, 256), (4, 128)}
-    assert [r["compiles/step"] for r in steps[2:]] == [0] * 8, [r["compiles/step"] for r in steps]
+    assert [r["compiles/step"] for r in steps[1:]] == [0] * 9, [r["compiles/step"] for r in steps]
     for name in PROGRAMS:
         assert counts.get(name) == 1, (name, {k: v for k, v in counts.items() if v > 1})
     assert {counts.get(name, 0) for name in DECODE} <= {0, 1} and \

@@ -141,8 +141,9 @@ class DecodeWeights:
         if params is self._source:
             return self.params
         if self.params is None:
+            # Relaid a second time into its own buffers: the donating program compiles now,
+            # with the engine, not in the first step that changes the params.
             self.params = _to_decode(params, self.cfg, self.mesh)
-        else:
-            self.params = _refresh(self.params, params, self.cfg, self.mesh)
+        self.params = _refresh(self.params, params, self.cfg, self.mesh)
         self._source = params
         return self.params
