@@ -3,7 +3,8 @@ for N steps at a real model's shapes, random weights, with a controlled response
 
     python experiments/bench/grpo_step.py --case long --steps 4     # H200: mean 4K, cap 16K
     python experiments/bench/grpo_step.py --case short --steps 10   # cap 1K
-    python experiments/bench/grpo_step.py --case qwen2_5_math:7b --steps 3
+    python experiments/bench/grpo_step.py --case qwen2_5_math:7b --steps 3 --prompts 8 \
+        --mean 1024 --cap 2048                       # 7B, bf16 masters (one H200)
     python experiments/bench/grpo_step.py --case short --steps 8 --partial --partial-tokens 0
                                                         # partial rollouts, stopped in the tail
     python experiments/bench/grpo_step.py --smoke                   # CPU, tiny, checks it runs
@@ -69,6 +70,12 @@ def make_config(a):
     c.model.update(hf_path="", vocab_size=512 if a.smoke else 151936, **SHAPES[shape])
     if a.smoke:
         c.model.update(dtype="float32", remat="none")
+    if a.param_dtype:
+        c.model.param_dtype = a.param_dtype
+    elif shape == "7b":
+        # fp32 masters, Adam moments and gradients are 16 bytes a parameter: 122 GB for 7B,
+        # more than one H200 leaves beside the rollout; bf16 ones are 61 GB.
+        c.model.param_dtype = "bfloat16"
     c.tokenizer.update(path="", vocab_size=300)
     c.data.update(source="synthetic", task="arithmetic", paths="", eval_paths="",
                   max_prompt_len=a.prompt, system_prompt="")
@@ -167,6 +174,9 @@ def main():
     ap.add_argument("--max-staleness", type=int, default=4, help="rollout.max_staleness")
     ap.add_argument("--no-narrow", action="store_true",
                     help="rollout.narrow_decode=False: every decode call computes all slots")
+    ap.add_argument("--param-dtype", default="",
+                    help="model.param_dtype (default: the config's; bfloat16 for 7B shapes, "
+                         "whose fp32 masters and Adam moments do not fit one H200)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--table-from", default="",
                     help="print the table of a run's metrics.jsonl (one cut short, say) "
@@ -220,7 +230,8 @@ def table(a, c, metrics_path: str, wall: float):
     n_dev = jax.device_count()
     out = []
     print(f"\n{a.case}: {jax.devices()[0].device_kind} x {n_dev}, jax {jax.__version__}, "
-          f"{cfg.num_params() / 1e9:.2f}B params, {a.prompts} prompts x {a.group}, responses "
+          f"{cfg.num_params() / 1e9:.2f}B params ({c.model.param_dtype} masters), "
+          f"{a.prompts} prompts x {a.group}, responses "
           f"log-normal mean {a.mean:.0f} cap {a.cap}, {a.slots} slots, "
           f"{'partial' if a.partial else 'synchronous'} rollout, tail decode "
           f"{'all slots' if a.no_narrow else 'narrowed'}, wall {wall:.0f} s")
