@@ -258,12 +258,14 @@ def _engine(r: Run, state, reserve: int = 0):
         sampling=rollout_lib.SamplingParams(rl_.temperature, rl_.top_k, rl_.top_p),
         narrow_widths=None if ro.narrow_decode else ())
     engine = rollout_lib.Engine(cfg, ecfg, r.mesh)
-    engine.keep_state(engine.take_state())
+    engine.keep_state(engine.compile_prefill(decode.params, engine.take_state()))
     tail = (f", tail decode calls of {'/'.join(map(str, ecfg.narrow_widths))} rows"
             if ecfg.narrow_widths else "")
+    narrow = (f" (or {ecfg.prefill_narrow_rows} x {ecfg.prefill_chunk})"
+              if ecfg.prefill_narrow_rows else "")
     r.writer.note(f"rollout engine: {ro.max_slots} slots, a pool of {num_pages * ps} tokens "
                   f"({num_pages} pages of {ps}), prefill calls of {ecfg.rows_per_prefill} x "
-                  f"{ecfg.prefill_chunk} tokens{tail}")
+                  f"{ecfg.prefill_chunk} tokens{narrow}{tail}")
     return engine, decode
 
 

@@ -12,8 +12,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Each compiled once for the run (the decode program once per sampling setting: the held-out
 # eval samples at the training temperature here) ...
-PROGRAMS = ("jit(_start)", "jit(_apply)", "jit(prefill_packed)", "jit(insert_slots)",
-            "jit(deactivate)", "jit(_refresh)")
+PROGRAMS = ("jit(_start)", "jit(_apply)", "jit(insert_slots)", "jit(deactivate)",
+            "jit(_refresh)")
+# The packed prefill twice, with the engine: calls of every row and the narrow ones that
+# admit a prompt or two (`EngineConfig.prefill_narrow_rows`).
+PREFILL = "jit(prefill_packed)"
 # The decode programs, at most once each: all 128 slots, and the tail's 32 rows
 # (`EngineConfig.narrow_widths`), which hold every call when no more samples than that run.
 DECODE = ("jit(decode_steps)", "jit(decode_rows)")
@@ -77,6 +80,7 @@ def test_ten_steps_of_varied_lengths_compile_each_program_once(tmp_path, monkeyp
     assert [r["compiles/step"] for r in steps[1:]] == [0] * 9, [r["compiles/step"] for r in steps]
     for name in PROGRAMS:
         assert counts.get(name) == 1, (name, {k: v for k, v in counts.items() if v > 1})
+    assert counts.get(PREFILL) == 2, counts.get(PREFILL)
     assert {counts.get(name, 0) for name in DECODE} <= {0, 1} and \
         sum(counts.get(name, 0) for name in DECODE) >= 1, counts
     for name in PER_SHAPE:

@@ -272,6 +272,36 @@ def test_short_prompts_share_prefill_rows_in_calls_of_one_shape(tiny):
         EngineConfig(prefill_batch_tokens=0)
 
 
+def test_few_prompts_prefill_in_narrow_calls_compiled_with_the_engine(tiny):
+    """With prefill_narrow_rows, prompts that fill no more packed rows than that go in a
+    narrower call: the same pages as in a call of every row; `compile_prefill` compiles both
+    shapes up front, so neither kind of call compiles later."""
+    from lrl.rollout import steps
+    _, cfg, params, _ = tiny("qwen2")
+    kw = dict(page_size=4, num_pages=40, max_slots=6, max_pages_per_slot=8, prefill_chunk=16,
+              prefill_rows=4, prefill_block_pages=2, decode_block_pages=2)
+    pages, shapes = [], []
+    for narrow in (0, 1):
+        engine = Engine(cfg, EngineConfig(prefill_narrow_rows=narrow, **kw))
+        dparams = engine.decode_params(params)
+        state = engine.compile_prefill(dparams, engine.init_decode_state())
+        compiled = steps.prefill_packed._cache_size()
+        call = engine._packed_call
+        engine._packed_call = lambda *a, **k: shapes.append((narrow, a[4])) or call(*a, **k)
+        for lengths in ([9], [9, 12, 16, 4, 7, 3]):   # one row; four rows
+            pre = [engine.reserve_prefix(p) for p in _prompts(cfg, lengths, seed=5)]
+            state = engine.run_prefill(dparams, state, pre)
+            pages.append([np.asarray(state.k_pages)[:, p.pages] for p in pre])
+            engine.pool.release([q for p in pre for q in p.holds])
+        assert steps.prefill_packed._cache_size() == compiled   # compiled with the engine
+    assert shapes == [(0, 4), (0, 4), (1, 1), (1, 4)]
+    for a, b in zip(pages[:2], pages[2:]):
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x, y, atol=1e-5)
+    with pytest.raises(ValueError, match="prefill_narrow_rows"):
+        EngineConfig(prefill_rows=4, prefill_narrow_rows=4)
+
+
 def test_pool_and_prompt_errors(tiny):
     _, cfg, params, _ = tiny("llama")
     prompts = _prompts(cfg, [4, 30])

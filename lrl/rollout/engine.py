@@ -267,9 +267,9 @@ class Engine:
             C = e.prefill_chunk if e.prefill_rows else min(
                 e.prefill_chunk, max(16, 1 << (max(p.cached for p in group) - 1).bit_length()))
             rows = _first_fit(group, C)
-            R = self._rows(C, len(rows))
+            R = self._rows(C, len(rows), narrow=not multimodal)
             for part in _batches(rows, R):
-                kp, vp = self._packed_call(params, kp, vp, part, R, C)
+                kp, vp = self._packed_call(params, kp, vp, part, R, C, multimodal)
             for k in range(1, max(-(-p.cached // C) for p in group)):
                 longer = [p for p in group if p.cached > k * C]
                 R = self._rows(C, len(longer))
@@ -277,20 +277,31 @@ class Engine:
                     kp, vp = self._prefill_call(params, kp, vp, part, k * C, R, C)
         return state._replace(k_pages=kp, v_pages=vp)
 
-    def _rows(self, C: int, needed: int) -> int:
+    def _rows(self, C: int, needed: int, narrow: bool = False) -> int:
         e = self.ecfg
         if e.prefill_rows:
+            if narrow and needed <= e.prefill_narrow_rows:
+                return e.prefill_narrow_rows
             return e.prefill_rows
         return max(1, min(e.prefill_batch_tokens // C, 1 << max(0, needed - 1).bit_length()))
 
-    def _packed_call(self, params, kp, vp, rows, R: int, C: int):
+    def compile_prefill(self, params, state: DecodeState) -> DecodeState:
+        """Runs the text prefill's fixed shapes once on empty rows (every token written to the
+        null page), so that a run compiles them with its engine, not in whichever step first
+        admits few prompts at a time. -> the state (its real pages untouched)."""
+        e = self.ecfg
+        kp, vp = state.k_pages, state.v_pages
+        for R in sorted({e.prefill_rows, e.prefill_narrow_rows} - {0}):
+            kp, vp = self._packed_call(params, kp, vp, [], R, e.prefill_chunk, False)
+        return state._replace(k_pages=kp, v_pages=vp)
+
+    def _packed_call(self, params, kp, vp, rows, R: int, C: int, multimodal: bool):
         """One `prefill_packed` call [R, C]: `rows` (at most R) lists of prefixes sharing a
         row."""
         e = self.ecfg
         ps = e.page_size
         tokens, positions, segments, pages, offsets = (np.zeros((R, C), np.int32)
                                                        for _ in range(5))
-        multimodal = rows[0][0].embeds is not None
         rope = np.zeros((3, R, C), np.int32) if multimodal else None
         parts = [[] for _ in range(R)]
         for r, row in enumerate(rows):

@@ -79,7 +79,8 @@ def engine_config(cfg: ModelConfig, *, max_prompt_len: int, max_new_tokens: int,
     `max_prompt_len` tokens with `max_new_tokens` more, `max_slots` decode rows, a pool of
     `num_pages`. A prefill call is [R, C]: C = `prefill_chunk` (None: the longest prompt's
     cached tokens, a power of two from 16 to 4096), R = `prefill_tokens` // C, and no more
-    rows than `max_prompts` prompts fill (when given). `narrow_widths` (None: a quarter of the
+    rows than `max_prompts` prompts fill (when given); calls that fill an eighth of R or less
+    take R/8 rows. `narrow_widths` (None: a quarter of the
     slots, a sixteenth, ..., down to 16 rows) are the tail's narrower decode calls.
     `resumed_prompts`: a prompt may come back with its sample's tokens so far (partial
     rollouts), up to `max_prompt_len + max_new_tokens - 1` tokens, and C is sized for that: a
@@ -98,6 +99,7 @@ def engine_config(cfg: ModelConfig, *, max_prompt_len: int, max_new_tokens: int,
         page_size=page_size, num_pages=num_pages, max_slots=max_slots,
         max_pages_per_slot=pages_for(max_prompt_len + max_new_tokens - 1, page_size),
         prefill_chunk=prefill_chunk, prefill_rows=rows,
+        prefill_narrow_rows=rows // 8 if rows >= 8 else 0,
         prefill_batch_tokens=rows * prefill_chunk, eos_ids=tuple(int(e) for e in eos_ids),
         sampling=sampling, attention_impl=attention_impl,
         decode_block_pages=decode_block_pages, prefill_block_pages=prefill_block_pages,
@@ -432,6 +434,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             if stats is not None:
                 jax.block_until_ready(state.k_pages)
                 t_prefill += time.perf_counter() - t0
+                st["prefill_rounds"] += 1   # admissions that prefilled
         if plans:
             state = engine.run_insert(state, plans)
         for pre in finished_prefixes:   # only now: its partial page has been copied

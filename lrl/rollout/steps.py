@@ -38,6 +38,10 @@ class EngineConfig:
     # R: rows of every prefill call, so that a call is always [R, C] and compiles once (0: as
     # many as `prefill_batch_tokens` allow). Short prompts share rows (`prefill_packed`).
     prefill_rows: int = 0
+    # With prefill_rows: a call whose prompts fill at most this many packed rows is
+    # [prefill_narrow_rows, C] instead (0: never). Slots freed during a rollout admit a prompt
+    # or two at a time; a call of every row cost them as much as a full one.
+    prefill_narrow_rows: int = 0
     # Tokens of one prefill call (R x C when prefill_rows is 0): 256 prompts of 512 tokens
     # prefilled faster in calls of 16,384 tokens than of 4,096 (BENCHMARKS.md, "Fifth
     # session", "Prefill: decode-layout weights and wider calls").
@@ -79,6 +83,9 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk must be a power of two, got {self.prefill_chunk}")
         if self.prefill_rows < 0:
             raise ValueError(f"prefill_rows must be >= 0, got {self.prefill_rows}")
+        if self.prefill_narrow_rows and not 0 < self.prefill_narrow_rows < self.prefill_rows:
+            raise ValueError(f"prefill_narrow_rows must be 0 or in [1, prefill_rows="
+                             f"{self.prefill_rows}), got {self.prefill_narrow_rows}")
         if self.prefill_batch_tokens < 1:
             raise ValueError(f"prefill_batch_tokens must be >= 1, got {self.prefill_batch_tokens}")
         if self.page_size < 1 or self.max_slots < 1 or self.max_pages_per_slot < 1:
