@@ -365,17 +365,18 @@ def shape_overlong(groups: Groups, rl_) -> tuple[Groups, np.ndarray]:
 
 
 def advantages(groups: Groups, estimator: str, pad_P: int = 0) -> np.ndarray:
-    """[P, G]. `pad_P`: computed over that many groups, the real ones then rows of zero
-    rewards and zero tokens, which change no estimator but reinforce_pp (refused with partial
-    rollouts), so a step training fewer groups than the last compiles nothing new."""
+    """[P, G]. `pad_P`: computed over that many rows, the real groups then padding rows that
+    the estimator masks out (`rl.advantages`' mask_P: the batch whitening of reinforce_pp and
+    reinforce_pp_token runs over the real samples alone), so a step training fewer groups
+    than the last (a partial step, or dynamic sampling short of groups) gets the advantages
+    of its own samples and compiles nothing new."""
     # The completion tokens are what the loss trains (reinforce_pp_token weighs by them).
     lengths_PG = np.array([len(c) for c in groups.completions]).reshape(groups.P, -1)
     rewards_PG, P = groups.rewards_PG, groups.P
-    if pad_P > P:
-        pad = ((0, pad_P - P), (0, 0))
-        rewards_PG, lengths_PG = np.pad(rewards_PG, pad), np.pad(lengths_PG, pad)
-    return np.asarray(rl.advantages(rewards_PG, estimator=estimator,
-                                    lengths_PG=lengths_PG), np.float32)[:P]
+    pad = ((0, max(pad_P - P, 0)), (0, 0))
+    rewards_PG, lengths_PG = np.pad(rewards_PG, pad), np.pad(lengths_PG, pad)
+    return np.asarray(rl.advantages(rewards_PG, estimator=estimator, lengths_PG=lengths_PG,
+                                    mask_P=np.arange(len(rewards_PG)) < P), np.float32)[:P]
 
 
 def process_share(P: int) -> np.ndarray:
@@ -643,9 +644,9 @@ def step(s: Setup, state, it, step_index: int, carry: Optional[tuple] = None):
                   "compiles/total": compiles.total()})
         return state, m, groups, carry
     groups, weight = shape_overlong(groups, s.rl)
-    # A partial step trains however many groups finished: one shape for all of them.
-    adv_PG = advantages(groups, s.rl.estimator,
-                        pad_P=s.rl.prompts_per_step if s.rollout.partial else 0)
+    # A partial step trains however many groups finished (and dynamic sampling may come up
+    # short of groups): one shape for all of them.
+    adv_PG = advantages(groups, s.rl.estimator, pad_P=s.rl.prompts_per_step)
     mine = process_share(groups.P)
     local = groups.take(mine)
     batches, truncated = minibatches(s, local, adv_PG[mine],

@@ -470,7 +470,8 @@ def _check_across(o: Options) -> None:
 
 
 def _check_partial(o: Options) -> None:
-    """What partial rollouts (`rollout.partial`) cannot run with yet."""
+    """What partial rollouts (`rollout.partial`) cannot run with yet. (reinforce_pp whitens
+    over the samples a step trains, however many: `lrl.grpo.advantages`.)"""
     ro = o.rollout
     if not ro.partial:
         for name in ("partial_tokens", "partial_tail", "partial_seconds"):
@@ -485,10 +486,6 @@ def _check_partial(o: Options) -> None:
     if o.rl.dynamic_sampling:
         raise ValueError("rollout.partial=True with rl.dynamic_sampling=True is not built: a "
                          "partial step already trains the groups that finish; turn one off")
-    if o.rl.estimator == "reinforce_pp":
-        raise ValueError("rollout.partial=True with rl.estimator='reinforce_pp' is not built: "
-                         "it whitens over the step's samples, whose count a partial step "
-                         "varies; use reinforce_pp_token (over tokens) or a group estimator")
 
 
 def longest_sample(o: Options) -> Optional[int]:

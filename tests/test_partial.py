@@ -273,6 +273,8 @@ def test_partial_options_are_checked():
         options.from_config(c, check_files=False)
     c.rollout.partial_seconds = 0.0
     c.rollout.partial = True
+    c.rl.estimator = "reinforce_pp"   # runs with partial rollouts
+    options.from_config(c, check_files=False)
     c.rl.dynamic_sampling = True
     with pytest.raises(ValueError, match="rl.dynamic_sampling"):
         options.from_config(c, check_files=False)
