@@ -125,6 +125,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.recompute_old_logp = False  # True: old log-probs from a trainer forward, not the sampler
     c.rl.dynamic_sampling = False    # DAPO: drop groups whose rewards are all equal, draw more
     c.rl.max_resample = 2            # extra prompt batches dynamic sampling may draw per step
+                                     # (partial rollouts: extra decode rounds, each may admit one)
     c.rl.overlong = "none"           # none | mask | penalty (DAPO overlong handling)
     c.rl.overlong_buffer = 8         # penalty ramps over the last N tokens of the limit
     c.rl.overlong_penalty = 1.0

@@ -470,7 +470,10 @@ def _check_across(o: Options) -> None:
 
 
 def _check_partial(o: Options) -> None:
-    """What partial rollouts (`rollout.partial`) cannot run with yet."""
+    """What partial rollouts (`rollout.partial`) cannot run with: the video task. (With
+    `rl.dynamic_sampling` a partial step drops the complete groups whose rewards are all
+    equal and rolls on for informative ones; reinforce_pp whitens over the samples a step
+    trains, however many: `lrl.grpo.partial_rollout`, `lrl.grpo.advantages`.)"""
     ro = o.rollout
     if not ro.partial:
         for name in ("partial_tokens", "partial_tail", "partial_seconds"):
@@ -482,13 +485,6 @@ def _check_partial(o: Options) -> None:
         raise ValueError(f"rollout.partial=True runs on the text task only, not task={o.task!r}"
                          ": a carried sample is prefilled again from token ids, and a video "
                          "prompt's embeddings are not kept across steps")
-    if o.rl.dynamic_sampling:
-        raise ValueError("rollout.partial=True with rl.dynamic_sampling=True is not built: a "
-                         "partial step already trains the groups that finish; turn one off")
-    if o.rl.estimator == "reinforce_pp":
-        raise ValueError("rollout.partial=True with rl.estimator='reinforce_pp' is not built: "
-                         "it whitens over the step's samples, whose count a partial step "
-                         "varies; use reinforce_pp_token (over tokens) or a group estimator")
 
 
 def longest_sample(o: Options) -> Optional[int]:

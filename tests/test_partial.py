@@ -273,13 +273,17 @@ def test_partial_options_are_checked():
         options.from_config(c, check_files=False)
     c.rollout.partial_seconds = 0.0
     c.rollout.partial = True
-    c.rl.dynamic_sampling = True
-    with pytest.raises(ValueError, match="rl.dynamic_sampling"):
-        options.from_config(c, check_files=False)
-    c.rl.dynamic_sampling = False
+    # Dynamic sampling and reinforce_pp run with partial rollouts.
+    c.rl.update(dynamic_sampling=True, estimator="reinforce_pp")
+    options.from_config(c, check_files=False)
     c.rollout.max_staleness = -1
     with pytest.raises(ValueError, match="rollout.max_staleness=-1"):
         options.from_config(c, check_files=False)
+    # The video task stays refused: its prompts' embeddings are not kept across steps.
+    v = config_util.load(os.path.join(ROOT, "configs", "video_synthetic.py"), "runlocal")
+    v.rollout.partial = True
+    with pytest.raises(ValueError, match="text task only.*embeddings are not kept"):
+        options.from_config(v, check_files=False)
 
 
 def _loop_config(monkeypatch, steps, first_long=0):

@@ -15,7 +15,8 @@ ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_token")
 _WHITEN_VAR_EPS = 1e-8
 
 
-def advantages(rewards_PG, estimator: str = "grpo", eps: float = 1e-6, lengths_PG=None):
+def advantages(rewards_PG, estimator: str = "grpo", eps: float = 1e-6, lengths_PG=None,
+               mask_P=None):
     """Advantages [P, G] from rewards [P, G] (one scalar per sample; the loss gives it to every
     token of the sample's response).
 
@@ -39,6 +40,11 @@ def advantages(rewards_PG, estimator: str = "grpo", eps: float = 1e-6, lengths_P
     token-weighted form shifts such a group by -mean/std, a push that says nothing about the
     group's samples). `lengths_PG` [P, G]: response tokens of each sample (what the loss
     trains), needed by reinforce_pp_token only and ignored by the others.
+
+    `mask_P` [P] bool (None: every row): the rows that hold a group; the others are padding
+    (a batch of fewer groups padded to a fixed P, so these eager ops keep one shape) and get
+    0, and the whitening of reinforce_pp and reinforce_pp_token runs over the real rows'
+    samples only: the advantages of the real rows are those of the batch without the padding.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"advantages: unknown estimator {estimator!r}; valid: {ESTIMATORS}")
@@ -53,7 +59,12 @@ def advantages(rewards_PG, estimator: str = "grpo", eps: float = 1e-6, lengths_P
     # A group whose rewards are all equal says nothing about which sample is better, so its
     # advantage is exactly 0. Computing it would not give 0: the float32 mean of G copies of
     # 0.7 rounds an ulp away from 0.7, and grpo divides that residual by a 1-ulp std.
-    informative_P1 = r_PG.max(axis=1, keepdims=True) > r_PG.min(axis=1, keepdims=True)
+    mask_P = np.ones(r_PG.shape[0], bool) if mask_P is None else np.asarray(mask_P, bool)
+    if mask_P.shape != r_PG.shape[:1]:
+        raise ValueError(f"advantages: mask_P has shape {mask_P.shape}, rewards_PG "
+                         f"{tuple(r_PG.shape)}")
+    real_P1 = jnp.asarray(mask_P[:, None])
+    informative_P1 = (r_PG.max(axis=1, keepdims=True) > r_PG.min(axis=1, keepdims=True)) & real_P1
     centred_PG = jnp.where(informative_P1, r_PG - mean_P1, 0.0)
     if estimator == "grpo":
         std_P1 = r_PG.std(axis=1, ddof=1, keepdims=True)
@@ -64,12 +75,16 @@ def advantages(rewards_PG, estimator: str = "grpo", eps: float = 1e-6, lengths_P
         # Mean of the others = (sum - r_i) / (G - 1), so r_i minus it = G/(G-1) · (r_i - mean).
         others_PG = (r_PG.sum(axis=1, keepdims=True) - r_PG) / (g - 1)
         return jnp.where(informative_P1, r_PG - others_PG, 0.0)
+    # The whitening weighs each real sample one (reinforce_pp) or its tokens (_token).
     if estimator == "reinforce_pp":
         # The batch mean of group-centred values is 0 up to rounding; the constant groups are
         # kept at exactly 0 after the shift.
-        white_PG = (centred_PG - centred_PG.mean()) / (centred_PG.std(ddof=1) + eps)
-        return jnp.where(informative_P1, white_PG, 0.0)
-    w_PG = _token_counts(lengths_PG, r_PG.shape)
+        w_PG = jnp.broadcast_to(real_P1, r_PG.shape).astype(jnp.float32)
+        n = w_PG.sum()
+        mean = jnp.sum(w_PG * centred_PG) / n
+        std = jnp.sqrt(jnp.sum(w_PG * (centred_PG - mean) ** 2) / (n - 1.0))
+        return jnp.where(informative_P1, (centred_PG - mean) / (std + eps), 0.0)
+    w_PG = _token_counts(lengths_PG, r_PG.shape) * real_P1
     n = w_PG.sum()
     mean = jnp.sum(w_PG * centred_PG) / n
     var = jnp.sum(w_PG * (centred_PG - mean) ** 2) / (n - 1.0)
