@@ -638,10 +638,20 @@ def step(s: Setup, state, it, step_index: int, carry: Optional[tuple] = None):
         groups, m, carry = collect_partial(s, state.params, it, step_index, carry or ())
     else:
         groups, m = collect(s, state.params, it, step_index)
+    state, m = learn(s, state, groups, m, step_index, before)
+    return state, m, groups, carry
+
+
+def learn(s: Setup, state, groups: Groups, m: dict, step_index: int,
+          before: Optional[dict] = None):
+    """The step's training half on scored `groups` (whoever sampled them: `collect` in the
+    same step, or the one-step-off pipeline a step ahead) -> (new state, `m` with the update's
+    metrics). `before`: the compile counts the step's count starts from."""
+    before = compiles.snapshot() if before is None else before
     if not groups.P:
         m.update({"compiles/step": sum(compiles.since(before).values()),
                   "compiles/total": compiles.total()})
-        return state, m, groups, carry
+        return state, m
     groups, weight = shape_overlong(groups, s.rl)
     # A partial step trains however many groups finished: one shape for all of them.
     adv_PG = advantages(groups, s.rl.estimator,
@@ -676,7 +686,7 @@ def step(s: Setup, state, it, step_index: int, carry: Optional[tuple] = None):
               # programs compiled in this step (0 once the run's shapes are all known)
               "compiles/step": sum(compiles.since(before).values()),
               "compiles/total": compiles.total()})
-    return state, m, groups, carry
+    return state, m
 
 
 def pass_at_k(correct_PG: np.ndarray, k: int) -> float:
