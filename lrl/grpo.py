@@ -14,6 +14,8 @@ swapped alone:
             batches, placed) -> warm_up -> old_and_ref_logps -> mismatch_metrics ->
             loss_inputs -> updates
 
+`step` is `collect` then `learn` (everything from `shape_overlong` on), which the
+one-step-off pipeline (`lrl.pipeline`) calls on a batch it sampled a step ahead.
 With `rollout.partial`, `collect_partial` takes `collect`'s place: the rollout stops on its
 budget and the groups still running are carried into the next step (`lrl.rollout.partial`);
 the step takes them in and hands the new carry back.
