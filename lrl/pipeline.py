@@ -139,7 +139,10 @@ def step(p: Pipeline, state, it, step_index: int, batch: Optional[Batch], ahead:
               "pipeline/wall_s": wall_s, "pipeline/saved_s": saved,
               "pipeline/overlap": saved / max(min(update_s, rollout_s), 1e-9) if ahead else 0.0,
               "pipeline/handover_s": handover_s,
-              "pipeline/age_mean": float(ages.mean()), "pipeline/age_max": float(ages.max())})
+              "pipeline/age_mean": float(ages.mean()), "pipeline/age_max": float(ages.max()),
+              # counted again here: the rollout beside the update compiles too
+              "compiles/step": sum(compiles.since(before).values()),
+              "compiles/total": compiles.total()})
     return state, m, batch.groups, nxt
 
 

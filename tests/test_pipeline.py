@@ -127,6 +127,7 @@ def test_pipelined_steps_equal_a_synchronous_run_on_weights_one_step_old(
             assert np.isfinite(r[f"pipeline/{k}"]), k
         assert r["pipeline/wall_s"] <= r["pipeline/update_s"] + r["pipeline/rollout_s"] + 0.05
     assert rows[0]["pipeline/rollout_s"] > 0 and rows[-1]["pipeline/rollout_s"] == 0
+    assert rows[-1]["compiles/step"] == 0   # the handover, rollout and update compiled once
     # Batch i (0-based: of logged step i+1) was sampled under exactly the weights after i-1
     # updates: batches 0 and 1 under w_0, batch 2 under w_1 (the checkpoint of step 1).
     assert sorted(handed) == [0, 1, 2]
