@@ -206,6 +206,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                      # KV then is the old policy's; False: prefilled again
                                      # under the new weights); pages short: prefilled anyway
 
+    # --- one-step-off pipeline (lrl.pipeline): the rollout samples step t+1 on its own devices
+    # while the others update on step t; each step then trains on samples one policy version
+    # old (its first step samples synchronously). Off on one device: it has nothing to split.
+    c.pipeline = ml_collections.ConfigDict(dict(
+        rollout_devices=0,           # 0 = off; n = the last n devices sample, the rest train
+                                     # (shaped by mesh.*, whose -1 counts only those)
+        rollout_tensor=0))           # the rollout mesh's tensor size; 0 = all n devices
+
     # --- evaluation, checkpoints, metrics -------------------------------------------------------
     c.eval = ml_collections.ConfigDict(dict(every=10, num_prompts=64, k=4, temperature=1.0))
     c.checkpoint = ml_collections.ConfigDict(dict(every_steps=20, every_minutes=0.0, keep=2))

@@ -35,6 +35,41 @@ def build_mesh(opts: options_lib.Options):
     return mesh
 
 
+def build_meshes(opts: options_lib.Options):
+    """-> (the training mesh, the rollout mesh or None). With `pipeline.rollout_devices` = n
+    the last n devices form the rollout mesh (`tensor` = `pipeline.rollout_tensor`, or n) and
+    the `mesh.*` sizes shape the others; errors name the options that do not fit."""
+    n = opts.pipeline.rollout_devices
+    if not n:
+        return build_mesh(opts), None
+    import jax
+    mesh_lib.maybe_initialize_distributed(opts.distributed)
+    devices = jax.devices()
+    if jax.process_count() > 1:
+        raise ValueError(f"pipeline.rollout_devices={n} runs in one process only, not "
+                         f"{jax.process_count()}")
+    if n >= len(devices):
+        raise ValueError(f"pipeline.rollout_devices={n} of the {len(devices)} devices leaves "
+                         "none to train: the pipeline needs at least 2 devices and one "
+                         "training; leave it 0 to run rollout and update in turn")
+    train, rollout = mesh_lib.split_devices(devices, n)
+    try:
+        mesh = mesh_lib.make_mesh(opts.mesh.sizes(), train)
+    except ValueError as e:
+        raise ValueError(f"{e} (pipeline.rollout_devices={n} leaves {len(train)} devices to "
+                         "the mesh.* sizes)") from e
+    tensor = opts.pipeline.rollout_tensor or n
+    if len(train) % tensor:
+        raise ValueError(f"pipeline.rollout_tensor={tensor} does not divide the {len(train)} "
+                         "training devices (pipeline.rollout_devices="
+                         f"{n}): the weights are gathered on them into the rollout's "
+                         "tensor slices before the copy")
+    rollout_mesh = mesh_lib.make_mesh({"fsdp": -1, "tensor": tensor}, rollout)
+    logging.info("mesh: train %s, rollout %s", mesh_lib.describe(mesh),
+                 mesh_lib.describe(rollout_mesh))
+    return mesh, rollout_mesh
+
+
 def data_shards(mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 

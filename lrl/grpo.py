@@ -14,6 +14,8 @@ swapped alone:
             batches, placed) -> warm_up -> old_and_ref_logps -> mismatch_metrics ->
             loss_inputs -> updates
 
+`step` is `collect` then `learn` (everything from `shape_overlong` on), which the
+one-step-off pipeline (`lrl.pipeline`) calls on a batch it sampled a step ahead.
 With `rollout.partial`, `collect_partial` takes `collect`'s place: the rollout stops on its
 budget and the groups still running are carried into the next step (`lrl.rollout.partial`);
 the step takes them in and hands the new carry back. Dynamic sampling there drops each group
@@ -784,10 +786,20 @@ def step(s: Setup, state, it, step_index: int, carry: Optional[tuple] = None):
         groups, m, carry = collect_partial(s, state.params, it, step_index, carry or ())
     else:
         groups, m = collect(s, state.params, it, step_index)
+    state, m = learn(s, state, groups, m, step_index, before)
+    return state, m, groups, carry
+
+
+def learn(s: Setup, state, groups: Groups, m: dict, step_index: int,
+          before: Optional[dict] = None):
+    """The step's training half on scored `groups` (whoever sampled them: `collect` in the
+    same step, or the one-step-off pipeline a step ahead) -> (new state, `m` with the update's
+    metrics). `before`: the compile counts the step's count starts from."""
+    before = compiles.snapshot() if before is None else before
     if not groups.P:
         m.update({"compiles/step": sum(compiles.since(before).values()),
                   "compiles/total": compiles.total()})
-        return state, m, groups, carry
+        return state, m
     groups, weight = shape_overlong(groups, s.rl)
     # A partial step trains however many groups finished (and dynamic sampling may come up
     # short of groups): one shape for all of them.
@@ -822,7 +834,7 @@ def step(s: Setup, state, it, step_index: int, carry: Optional[tuple] = None):
               # programs compiled in this step (0 once the run's shapes are all known)
               "compiles/step": sum(compiles.since(before).values()),
               "compiles/total": compiles.total()})
-    return state, m, groups, carry
+    return state, m
 
 
 def pass_at_k(correct_PG: np.ndarray, k: int) -> float:

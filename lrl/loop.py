@@ -3,8 +3,9 @@ GRPO steps (text or video), with held-out evaluation, checkpoints (resumable, SI
 and metrics. `run(config, workdir)` is what `python -m lrl.main` calls.
 
 The config is read once, into typed options (`lrl.options`); what differs between text and
-video is the task (`lrl.tasks`); one GRPO step's host half is `lrl.grpo.step`. The jitted
-programs are built here, once per phase.
+video is the task (`lrl.tasks`); one GRPO step's host half is `lrl.grpo.step`, or with
+`pipeline.rollout_devices` `lrl.pipeline.step` (the rollout a step ahead on its own mesh). The
+jitted programs are built here, once per phase.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from lrl import console
 from lrl import distributed
 from lrl import experiment as ex
 from lrl import grpo, tasks
+from lrl import pipeline as pipeline_lib
 from lrl import mesh as mesh_lib
 from lrl import options as options_lib
 from lrl.metrics import MetricsWriter
@@ -52,6 +54,7 @@ class Run:
     ckpt: ckpt_lib.CheckpointManager
     guard: ckpt_lib.PreemptionGuard
     writer: MetricsWriter
+    rollout_mesh: object = None   # the one-step-off pipeline's (`lrl.pipeline`), else None
 
     @property
     def eos_ids(self) -> tuple:
@@ -63,7 +66,7 @@ def run(config, workdir: str) -> dict:
     """Runs the configured job; returns the last metrics of each phase."""
     opts = ex.options(config)
     os.makedirs(workdir, exist_ok=True)
-    mesh = ex.build_mesh(opts)
+    mesh, rollout_mesh = ex.build_meshes(opts)
     task = tasks.build(opts, workdir, mesh)
     console.banner(opts, workdir, mesh, task.model_cfg)
     c = opts.checkpoint
@@ -74,7 +77,7 @@ def run(config, workdir: str) -> dict:
         writer = MetricsWriter(workdir, opts.sft.steps + opts.rl_steps,
                                tensorboard=opts.metrics.tensorboard,
                                phases={"sft": opts.sft.steps, "grpo": opts.rl_steps})
-        r = Run(opts, as_dict(config), workdir, mesh, task, ckpt, guard, writer)
+        r = Run(opts, as_dict(config), workdir, mesh, task, ckpt, guard, writer, rollout_mesh)
         try:
             out = _run_phases(r)
         finally:
@@ -196,8 +199,10 @@ def build_grpo(r: Run, state, tx, pool) -> grpo.Setup:
 
     # The rollout's pool takes its share of what the smallest micro-batch leaves; the update's
     # budget is then what is left.
-    least = need(*budget_lib.smallest_shape(**sizes)) if memory is not None else 0
-    engine, decode = _engine(r, state, reserve=least)
+    engine = decode = None   # with the pipeline, on the rollout mesh (`build_pipeline`)
+    if r.rollout_mesh is None:
+        least = need(*budget_lib.smallest_shape(**sizes)) if memory is not None else 0
+        engine, decode = _engine(r, state.params, mesh, reserve=least)
     budget = budget_lib.resolve(**sizes, need_bytes=need if memory is not None else None,
                                 available=available())
     lengths = budget_lib.row_lengths(budget.row_len, sizes["unit"])
@@ -208,7 +213,7 @@ def build_grpo(r: Run, state, tx, pool) -> grpo.Setup:
     if rl_.old_logp == "trainer" or kl or rl_.mismatch_fraction > 0:
         logp_fn = update_lib.make_logprobs_fn(task.model_cfg, mesh, **kw)
     prefill = None
-    if opts.model.attention != "dense" and mesh.shape["seq"] > 1:
+    if opts.model.attention != "dense" and mesh.shape["seq"] > 1 and r.rollout_mesh is None:
         prefill = sp_prefill.make_prefill(mesh, opts.rollout.sp_min_tokens)
     return grpo.Setup(
         rl=rl_, rollout=opts.rollout, seed=opts.seed, task=task, tokenizer=task.tokenizer,
@@ -222,25 +227,40 @@ def build_grpo(r: Run, state, tx, pool) -> grpo.Setup:
         ref_params=ref_params)
 
 
-def _engine(r: Run, state, reserve: int = 0):
-    """The rollout engine for the whole run, sized from the options: slots, the longest prompt
-    and completion, a pool of `rollout.pool_tokens` or `rollout.pool_fraction` of the memory
-    free now beyond `reserve` bytes (never more than every slot's longest sample needs), with
-    its pool allocated now; and the decode-layout weights, relaid in place each step."""
+def build_pipeline(r: Run, s: grpo.Setup, state) -> pipeline_lib.Pipeline:
+    """The one-step-off pipeline's rollout half: the weights' handover to the rollout mesh,
+    the engine there (its pool from the rollout devices' memory), and the step's setup with
+    them (no sequence-parallel prefill: the rollout mesh has no `seq` axis)."""
+    hand = pipeline_lib.handover(state.params, r.mesh, r.rollout_mesh)
+    engine, decode = _engine(r, hand(state.params), r.rollout_mesh)
+    r.writer.note(f"one-step-off pipeline: train on {mesh_lib.describe(r.mesh)}, sample on "
+                  f"{mesh_lib.describe(r.rollout_mesh)}")
+    roll = dataclasses.replace(s, mesh=r.rollout_mesh, engine=engine, decode=decode,
+                               prefill=None)
+    return pipeline_lib.Pipeline(s, roll, hand)
+
+
+def _engine(r: Run, params, mesh, reserve: int = 0):
+    """The rollout engine for the whole run on `mesh` (`params` on it), sized from the
+    options: slots, the longest prompt and completion, a pool of `rollout.pool_tokens` or
+    `rollout.pool_fraction` of the memory free now beyond `reserve` bytes (never more than
+    every slot's longest sample needs), with its pool allocated now; and the decode-layout
+    weights, relaid in place each step."""
     opts, cfg = r.opts, r.task.model_cfg
     ro, rl_ = opts.rollout, opts.rl
     prompt, new = options_lib.longest_prompt(opts), rl_.max_new_tokens
     ps = ro.page_size
-    decode = weights_lib.DecodeWeights(cfg, r.mesh)
-    decode.refresh(state.params)   # allocated before the pool is sized
+    device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    decode = weights_lib.DecodeWeights(cfg, mesh)
+    decode.refresh(params)   # allocated before the pool is sized
     # Every slot's longest sample, and a prefix of the longest prompt beside each.
     full = ro.max_slots * (pages_for(prompt + new - 1, ps) + pages_for(prompt, ps)) + 1
     if ro.pool_tokens:
         num_pages = pages_lib.num_pages_for_tokens(ro.pool_tokens, ps)
-    elif budget_lib.device_memory(jax.local_devices()[0]) is not None:
-        tensor = r.mesh.shape["tensor"]
+    elif budget_lib.device_memory(device) is not None:
+        tensor = mesh.shape["tensor"]
         shards = tensor if cfg.n_kv_heads % tensor == 0 else 1
-        limit, in_use = budget_lib.device_memory(jax.local_devices()[0])
+        limit, in_use = budget_lib.device_memory(device)
         free = int(budget_lib.USABLE * limit) - in_use - reserve
         page_bytes = pages_lib.kv_bytes_per_token(cfg) * ps // shards
         num_pages = min(full, int(free * ro.pool_fraction) // page_bytes)
@@ -257,7 +277,7 @@ def _engine(r: Run, state, reserve: int = 0):
         resumed_prompts=ro.partial, eos_ids=r.eos_ids,
         sampling=rollout_lib.SamplingParams(rl_.temperature, rl_.top_k, rl_.top_p),
         narrow_widths=None if ro.narrow_decode else ())
-    engine = rollout_lib.Engine(cfg, ecfg, r.mesh)
+    engine = rollout_lib.Engine(cfg, ecfg, mesh)
     engine.keep_state(engine.compile_prefill(decode.params, engine.take_state()))
     tail = (f", tail decode calls of {'/'.join(map(str, ecfg.narrow_widths))} rows"
             if ecfg.narrow_widths else "")
@@ -288,33 +308,44 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
     step, metrics = int(data_state.get("step", 0)), {}
     carry, dropped = _restore_carry(r, data_state, where)
     r.writer.begin_phase("grpo", step, opts)
+    p = None
     try:
         s = build_grpo(r, state, tx, pool)
+        # Who samples (the eval too): this mesh, or the pipeline's rollout mesh.
+        roll, sampled = s, lambda params: params
+        if r.rollout_mesh is not None:
+            p = build_pipeline(r, s, state)
+            roll, sampled = p.rollout, p.handover
         if held_out and step == 0:  # the baseline: the policy as GRPO starts
-            r.writer.write(offset, grpo.evaluate(s, state.params, held_out, e.k,
+            r.writer.write(offset, grpo.evaluate(roll, sampled(state.params), held_out, e.k,
                                                  e.temperature, 0))
         while step < steps:
-            state, m, groups, carry = grpo.step(s, state, it, step, carry)
+            if p is not None:
+                state, m, groups, carry = pipeline_lib.step(p, state, it, step, carry,
+                                                            ahead=step + 1 < steps)
+            else:
+                state, m, groups, carry = grpo.step(s, state, it, step, carry)
             step += 1
             if dropped:
                 m["partial/dropped_on_resume"], dropped = dropped, 0
             m.update(it.stats())
             if held_out and (step % e.every == 0 or step == steps):
-                m.update(grpo.evaluate(s, state.params, held_out, e.k, e.temperature, step))
+                m.update(grpo.evaluate(roll, sampled(state.params), held_out, e.k,
+                                       e.temperature, step))
             metrics = r.writer.write(offset + step, m)
             distributed.beat(f"grpo step {offset + step}")
             r.writer.samples(offset + step, _samples(groups, opts.metrics.samples_per_step))
             stopped = r.guard.should_stop(offset + step)
-            _checkpoint(r, offset + step, state, lambda: {"phase": "grpo", "step": step,
-                                                          "prompt_iter": it.get_state(),
-                                                          **_carried(carry)},
+            _checkpoint(r, offset + step, state, lambda: {
+                "phase": "grpo", "step": step, "prompt_iter": it.get_state(),
+                **(pipeline_lib.to_state(carry) if p is not None else _carried(carry))},
                         force=stopped or step == steps)
             if stopped:
                 log.info("stopping at step %d on request (SIGTERM); checkpoint saved",
                          offset + step)
                 break
     finally:
-        held = partial_lib.kept_of(carry or ())
+        held = partial_lib.kept_of(carry or ()) if p is None else ()
         if held:   # the run's KV goes with it: a resume prefills its carried samples again
             held[0].engine.release_kept(held)
         pool.close()
@@ -335,7 +366,15 @@ def _carried(carry) -> dict:
 
 def _restore_carry(r: Run, data_state: dict, where: str):
     """-> (the carried groups a checkpoint saved, or None; how many carried samples it had
-    but did not save: an older checkpoint's, dropped, logged, reported once)."""
+    but did not save: an older checkpoint's, dropped, logged, reported once). With the
+    pipeline: the batch it sampled ahead (`lrl.pipeline`), or None."""
+    if r.rollout_mesh is not None or "pipeline_batch" in data_state:
+        batch, dropped = pipeline_lib.restore(data_state, r.rollout_mesh is not None, where)
+        if dropped:
+            log.warning("resume: dropping %s", dropped)
+            r.writer.note(f"resume: {dropped} of the checkpoint dropped (this run's "
+                          "pipeline.rollout_devices / rollout.partial cannot take it)")
+        return batch, 0
     if "carried" in data_state:
         try:
             carry = partial_lib.from_state(data_state["carried"], tasks.prompt_from_state)

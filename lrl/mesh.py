@@ -69,6 +69,24 @@ def make_mesh(sizes: Mapping[str, int] | None = None,
                          devices=devices)
 
 
+def split_devices(devices: Sequence[jax.Device], rollout: int) -> tuple[list, list]:
+    """-> (training devices, rollout devices): the last `rollout` of `devices` sample, the
+    others train (the one-step-off pipeline's two disjoint meshes, `lrl.pipeline`)."""
+    devices = list(devices)
+    if not 1 <= rollout < len(devices):
+        raise ValueError(f"split_devices: {rollout} rollout devices of {len(devices)} leave "
+                         "none to train, or take none")
+    return devices[:-rollout], devices[-rollout:]
+
+
+def reshape(mesh: Mesh, sizes: Mapping[str, int]) -> Mesh:
+    """The same devices in the same order (so one program may read arrays of both meshes)
+    under other axis sizes (one may be -1)."""
+    devices = np.asarray(mesh.devices).reshape(-1)
+    return Mesh(devices.reshape(mesh_shape(sizes, devices.size)), AXES,
+                axis_types=(AxisType.Auto,) * len(AXES))
+
+
 def maybe_initialize_distributed(cfg) -> None:
     """Starts jax.distributed when the config asks for it (multi-host runs).
 

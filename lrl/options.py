@@ -335,6 +335,28 @@ class MetricsOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """The one-step-off-policy pipeline (verl's one_step_off_policy trainer): the devices split
+    into two meshes, and the rollout of step t+1 runs on the rollout devices while the training
+    devices update on step t's batch. Step t then trains on samples drawn with the weights of
+    step t-1 (each sample's age is 1; the first step of a run, whose batch nothing sampled
+    ahead, samples synchronously, age 0); the sampler's log-probs and the rollout correction
+    (`rl.loss.tis_cap`, `mask_level`, `staleness_decay`) apply to them as to any behaviour
+    policy's. The new weights go to the rollout devices device to device after each update.
+
+    `rollout_devices`: 0 (the default) runs every step on one mesh of every device, rollout and
+    update in turn; n >= 1 gives the last n devices to the rollout and shapes the rest with the
+    `mesh.*` sizes (so at least 2 devices; one GPU cannot split). `rollout_tensor`: the
+    rollout mesh's tensor-parallel size (0: all n; its other devices hold copies), which must
+    divide n and the training device count (the weights are gathered on the training devices
+    into the rollout's tensor slices, then copied). Single process, text task, without
+    `rollout.partial` (see `_check_pipeline`). A checkpoint saves the batch sampled ahead
+    (finished, scored) with the state, so a resume trains exactly what the run would have."""
+    rollout_devices: int = _opt(ge=0)   # 0 = off: one mesh, rollout and update in turn
+    rollout_tensor: int = _opt(ge=0)    # 0 = all rollout devices on the tensor axis
+
+
+@dataclasses.dataclass(frozen=True)
 class VideoOptions:
     """The video task's own section: frames, the vision tower, and the video-QA fields."""
     frames_in_file: int = _opt(ge=2)    # synthetic videos: frames written per file
@@ -374,6 +396,7 @@ class Options:
     eval: EvalOptions
     checkpoint: CheckpointOptions
     metrics: MetricsOptions
+    pipeline: PipelineOptions
     video: Optional[VideoOptions] = None
 
     @property
@@ -384,7 +407,7 @@ class Options:
 _SECTIONS = dict(model=ModelOptions, tokenizer=TokenizerOptions, mesh=MeshOptions,
                  data=DataOptions, sft=SFTOptions, optim=OptimOptions, reward=RewardOptions,
                  rollout=RolloutOptions, eval=EvalOptions, checkpoint=CheckpointOptions,
-                 metrics=MetricsOptions)
+                 metrics=MetricsOptions, pipeline=PipelineOptions)
 
 
 def from_config(config, check_files: bool = True) -> Options:
@@ -467,6 +490,7 @@ def _check_across(o: Options) -> None:
         if v.min_tokens_per_frame > v.max_tokens_per_frame:
             raise ValueError(f"video.min_tokens_per_frame={v.min_tokens_per_frame} > "
                              f"video.max_tokens_per_frame={v.max_tokens_per_frame}")
+    _check_pipeline(o)
 
 
 def _check_partial(o: Options) -> None:
@@ -523,6 +547,38 @@ def _check_budget(o: Options) -> None:
                          f"(data.max_prompt_len={o.data.max_prompt_len} + rl.max_new_tokens="
                          f"{rl.max_new_tokens}) and must fit one packed row; raise {key} or "
                          "lower those")
+
+
+def _check_pipeline(o: Options) -> None:
+    """What the one-step-off pipeline (`pipeline.*`) cannot run with; the device counts are
+    checked where the meshes are built (`lrl.experiment.build_meshes`), still before any
+    compile."""
+    p = o.pipeline
+    if not p.rollout_devices:
+        if p.rollout_tensor:
+            raise ValueError(f"pipeline.rollout_tensor={p.rollout_tensor} shapes the rollout "
+                             "mesh of the pipeline: set pipeline.rollout_devices, or leave it 0")
+        return
+    if p.rollout_tensor and p.rollout_devices % p.rollout_tensor:
+        raise ValueError(f"pipeline.rollout_tensor={p.rollout_tensor} does not divide "
+                         f"pipeline.rollout_devices={p.rollout_devices}")
+    if o.job != "grpo":
+        raise ValueError(f"pipeline.rollout_devices={p.rollout_devices} pipelines GRPO's "
+                         f"rollout; job={o.job!r} has none: leave it 0")
+    if o.task != "text":
+        raise ValueError(f"pipeline.rollout_devices={p.rollout_devices} runs on the text task "
+                         f"only, not task={o.task!r}: a video prompt's embeddings are made by "
+                         "the vision tower on the training devices")
+    if o.rollout.partial:
+        raise ValueError(f"pipeline.rollout_devices={p.rollout_devices} with "
+                         "rollout.partial=True is not built: partial rollouts carry unfinished "
+                         "samples (and their KV pages) into the next step under the newest "
+                         "weights, the pipeline samples a whole step ahead on one step's "
+                         "weights; turn one off")
+    if o.distributed["enabled"]:
+        raise ValueError(f"pipeline.rollout_devices={p.rollout_devices} runs in one process "
+                         "only (the weights are copied between the process's own devices); "
+                         "set distributed.enabled=False or leave it 0")
 
 
 def _expand(key: str, paths: str) -> None:
