@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import signal
+import types
 
 import jax
 import numpy as np
@@ -457,4 +458,5 @@ def test_carried_groups_round_trip_through_the_data_state_and_refuse_what_would_
         partial.from_state(ci.decode_data(saved), tasks.prompt_from_state)
     # The loop names the file the malformed groups came from.
     with pytest.raises(ci.CheckpointError, match="/ckpt/3/data .*carried group 0"):
-        loop._restore_carry(None, {"carried": ci.decode_data(saved)}, "/ckpt/3")
+        loop._restore_carry(types.SimpleNamespace(rollout_mesh=None),
+                                {"carried": ci.decode_data(saved)}, "/ckpt/3")
