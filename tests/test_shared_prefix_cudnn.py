@@ -232,6 +232,23 @@ def test_rows_of_more_groups_than_runs_are_nan_and_others_exact():
     assert_blocks_match(seg, pre, 3)
 
 
+def test_packed_runs_row_of_too_many_segments_leaves_the_next_rows_exact():
+    """The self block's `PackedRuns` through the stand-in: a row of more segments than
+    max_segments is NaN, and the row after it (whose runs jax numbers after its) is exact."""
+    seg, _ = rows_of([(1, 0, 3), (2, 0, 4), (3, 0, 5)],
+                     [(i, 0, 1) for i in range(1, 10)] + [(10, 0, 3)], [(1, 0, 6), (2, 0, 6)])
+    q, k, v, _ = qkv_do(seg)
+    runs = fc.PackedRuns.of(seg, 4)
+    o, stats = reference_fwd(q, k, v, causal=True, scale=8 ** -0.5, **runs.kwargs)
+    o, lse = runs.nan_where_too_many(o), runs.stats_to_tokens(stats)
+    o_x, l_x = flash.block_attention(q, k, v, mask_kind="causal", q_segment_ids=seg,
+                                     kv_segment_ids=seg, implementation="xla")
+    assert np.isnan(o[1]).all()
+    for b in (0, 2):
+        np.testing.assert_allclose(o[b], o_x[b], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(lse[b], l_x[b], rtol=1e-5, atol=1e-5)
+
+
 def test_runs_are_matched_by_id_and_odd_rows_are_nan():
     """Rows the packer does not make, each with a good row around it: a prefix with no
     responses between two groups (matched by id, not by order); responses whose prefix is

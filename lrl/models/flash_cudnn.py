@@ -138,8 +138,12 @@ def segment_runs(segment_ids_BT, max_segments):
     starts = jax.vmap(lambda s: jnp.nonzero(s, size=max_segments + 1, fill_value=T)[0])(start_BT)
     starts = starts.astype(jnp.int32)
     slot = jnp.arange(max_segments + 1)[None]
-    offsets = jnp.where(slot < count_B[:, None], starts, -1)
-    lengths = jnp.where(slot[:, :-1] < count_B[:, None], starts[:, 1:] - starts[:, :-1], -1)
+    # As many offsets as lengths, also in a row of more runs than max_segments: jax pairs the
+    # runs' offsets and lengths over all rows in order, so one more offset would shift the
+    # runs of every row after it (that row is NaN; the others must stay right).
+    used_B = jnp.minimum(count_B, max_segments)[:, None]
+    offsets = jnp.where(slot < used_B, starts, -1)
+    lengths = jnp.where(slot[:, :-1] < used_B, starts[:, 1:] - starts[:, :-1], -1)
     return offsets, lengths.astype(jnp.int32), count_B
 
 
