@@ -22,7 +22,12 @@ compute: 2e-2 by default; --tiny runs fp32, 1e-4).
 
 Defaults: prompts of 8K, 32K and 128K tokens, G = 8 answers of 1K. Each prompt length runs
 in its own subprocess (its own peak memory); a mode that fails (out of memory, mostly) prints
-its error in the table and the other still runs.
+its error in the table and the other still runs. A mode whose row has --fit-check-from tokens
+or more is compiled first and skipped, with its estimate ("skipped: est. X GiB"), when it
+cannot fit the device. The "kernels" column says which kernel each attention block took: on
+a GPU in bf16, cuDNN for the unshared rows and for both blocks of the shared rows (the self
+block as cuDNN's packed segments, the prefix block as its packed runs of responses against
+their prefix, `lrl.models.shared_attention`); XLA's blockwise kernel elsewhere.
 
 The two numbers of METHOD.md, per mode, from the packed rows themselves:
 - FLOPs: 6 x (matmul parameters) per real token (forward and backward; the lm head over
@@ -170,6 +175,32 @@ def counts(cfg, n_params: int, state_bytes: int, micro) -> dict:
             "row_len": int(micro[0]["tokens"].shape[1])}
 
 
+def kernels(cfg, mode: str) -> str:
+    """Which kernel each attention block takes here for the model's dtype and heads: the
+    unshared rows' dense attention, the shared rows' self and prefix blocks
+    (`lrl.models.shared_attention.kernels`)."""
+    import jax
+    from lrl.models import flash
+    from lrl.models import shared_attention as sa
+    q = jax.ShapeDtypeStruct((1, 1, cfg.n_heads, cfg.head_dim), cfg.dtype)
+    k = jax.ShapeDtypeStruct((1, 1, cfg.n_kv_heads, cfg.head_dim), cfg.dtype)
+    if mode == "unshared":
+        return "dense " + flash._pick(cfg.attention_impl, q, k, need_bwd=False, where="bench")
+    return " / ".join(f"{b} {impl}" for b, impl in sa.kernels(q, k, cfg.attention_impl).items())
+
+
+def fits(u, state, placed, extra, state_bytes: int) -> tuple[float, float]:
+    """(estimated GiB, device GiB) of one micro-batch's accumulate program, compiled, not
+    run (`lrl.rl.update.need_bytes`), plus the train state; device GiB 0 when unknown."""
+    import jax
+    from lrl.rl import update as update_lib
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+    need = update_lib.need_bytes(u, state.params, jax.tree.map(spec, placed[0]),
+                                 None if extra is None else spec(extra))
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+    return (need + state_bytes) / 2**30, limit / 2**30
+
+
 def one(mode: str, P: int, a) -> dict:
     """One step of `mode` for a prompt of P tokens: compiled (the first step, whose metrics
     are compared), then --repeats steps timed, the median reported."""
@@ -198,10 +229,16 @@ def one(mode: str, P: int, a) -> dict:
     state = update_lib.make_init_fn(cfg, tx, mesh)(jax.random.key(0))
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     state_bytes = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
-    rec = {"mode": mode, "prompt": len(prompts[0].ids), **counts(cfg, n_params, state_bytes,
-                                                                    micro)}
+    rec = {"mode": mode, "prompt": len(prompts[0].ids), "kernels": kernels(cfg, mode),
+           **counts(cfg, n_params, state_bytes, micro)}
+    print(f"{mode} P={P}: {rec['kernels']}", flush=True)
     denoms = update_lib.host_denominators(micro, a.answer)
     placed = [mesh_lib.put_batch(mesh, mb) for mb in micro]
+    if rec["row_len"] >= a.fit_check_from:   # long rows: skip what cannot fit, say why
+        est, limit = fits(u, state, placed, extra, state_bytes)
+        rec["est_gib"] = est
+        if limit and est > limit:
+            return {**rec, "error": f"skipped: est. {est:.0f} GiB > {limit:.0f} GiB"}
     t0 = time.perf_counter()
     state, m = update_lib.run_update(u, state, placed, denoms, extra)
     first = {k: float(v) for k, v in jax.device_get(m).items() if np.ndim(v) == 0}
@@ -218,52 +255,67 @@ def one(mode: str, P: int, a) -> dict:
 
 
 def child(P: int, a) -> None:
+    cfg = model(a.vl7b, a.tiny, a.remat)[0]
     for mode in ("unshared", "shared"):
         try:
             rec = one(mode, P, a)
         except Exception as e:  # out of memory, mostly: record it, run the other mode
-            rec = {"mode": mode, "prompt": P, "error": f"{type(e).__name__}: "
-                   f"{(str(e).splitlines() or [''])[0][:200]}"}
+            rec = {"mode": mode, "prompt": P, "kernels": kernels(cfg, mode),
+                   "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"}
         print("RESULT " + json.dumps(rec), flush=True)
 
 
 COMPARED = ("loss", "pg_loss", "entropy", "ratio_mean", "grad_norm")   # grad_norm: gradients
 
 
+def _row(P, mode: str, r: dict, base: dict, a) -> tuple[str, bool]:
+    """One table line -> (line, whether its metrics agree with the unshared step's)."""
+    kern = r.get("kernels", "")
+    if "error" in r:
+        return (f"| {P} | {mode} | {kern} | {r['error']} | | | | | | | | | | | |",
+                r["error"].startswith("skipped"))
+    floor = max(r["flops"] / (a.peak_tflops * 1e12), r["bytes"] / (a.peak_gbs * 1e9))
+    m, rel, ratio, speed, ok = r["metrics"], "", "", "", True
+    if mode == "shared" and "error" not in base:
+        b = base["metrics"]
+        worst = max((abs(m[k] - b[k]) / max(abs(b[k]), 1e-12), k) for k in COMPARED)
+        rel = f"{worst[0]:.1e} ({worst[1]})"
+        ok = worst[0] <= a.rtol
+        ratio = f"{base['flops'] / r['flops']:.2f}x"
+        speed = f"{base['step_s'] / r['step_s']:.2f}x"
+    est = f" (est. {r['est_gib']:.0f})" if "est_gib" in r else ""
+    return (f"| {r['prompt']} | {mode} | {kern} | {r['rows']} x {r['row_len']} | {r['tokens']} "
+            f"| {r['flops'] / 1e12:.3g} | {floor * 1e3:.3g} | {r['step_s']:.3g} | "
+            f"{r['step_s'] / floor:.1f} | {ratio} | {speed} | {r['peak_gib']:.1f}{est} | "
+            f"{m['loss']:.6g} | {m['grad_norm']:.6g} | {rel} |", ok)
+
+
 def table(results: dict, a) -> bool:
-    """Prints the markdown table -> whether every shared step's metrics (`COMPARED`) agreed
-    with its unshared step's within --rtol."""
+    """Prints the markdown table -> whether every shared step's metrics (`COMPARED`: loss and
+    gradient norm among them, the correctness check) agreed with its unshared step's within
+    --rtol; a mode skipped for memory counts as agreeing, a failed one does not."""
     ok = True
     shapes = ("tiny stand-in for " if a.tiny else "") + ("Qwen2.5-VL-7B (video prompt)"
                                                          if a.vl7b else "Qwen2.5-1.5B")
     print(f"\n# shared-prompt update: {shapes} shapes, G={a.group} answers of {a.answer} "
           "tokens\n")
-    print("| prompt | mode | rows x T | tokens | TFLOP | floor ms | step s | x floor | "
-          "flop ratio | speedup | loss | grad norm | max rel diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| prompt | mode | kernels | rows x T | tokens | TFLOP | floor ms | step s | x floor | "
+          "flop ratio | speedup | peak GiB | loss | grad norm | max rel diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for P, recs in results.items():
-        base = recs.get("unshared", {})
+        base = recs.get("unshared", {"error": "no result"})
         for mode in ("unshared", "shared"):
             r = recs.get(mode, {"error": "no result"})
-            if "error" in r:
-                print(f"| {P} | {mode} | {r['error']} | | | | | | | | | | |")
-                ok = ok and "skipped" in r["error"]
-                continue
-            floor = max(r["flops"] / (a.peak_tflops * 1e12), r["bytes"] / (a.peak_gbs * 1e9))
-            m, rel, ratio, speed = r["metrics"], "", "", ""
-            if mode == "shared" and "error" not in base:
-                b = base["metrics"]
-                worst = max((abs(m[k] - b[k]) / max(abs(b[k]), 1e-12), k) for k in COMPARED)
-                rel = f"{worst[0]:.1e} ({worst[1]})"
-                ok = ok and worst[0] <= a.rtol
-                ratio = f"{base['flops'] / r['flops']:.2f}x"
-                speed = f"{base['step_s'] / r['step_s']:.2f}x"
-            print(f"| {r['prompt']} | {mode} | {r['rows']} x {r['row_len']} | {r['tokens']} | "
-                  f"{r['flops'] / 1e12:.3g} | {floor * 1e3:.3g} | {r['step_s']:.3g} | "
-                  f"{r['step_s'] / floor:.1f} | {ratio} | {speed} | {m['loss']:.6g} | "
-                  f"{m['grad_norm']:.6g} | {rel} |")
+            try:   # one malformed record still leaves the others' lines
+                line, good = _row(P, mode, r, base, a)
+            except Exception as e:
+                line, good = f"| {P} | {mode} | | table: {type(e).__name__}: {e} |", False
+            print(line)
+            ok = ok and good
     print(f"\nfloor: FLOPs at {a.peak_tflops} TFLOP/s or state bytes at {a.peak_gbs} GB/s, "
-          f"the larger; {', '.join(COMPARED)} agree within rtol {a.rtol}: {ok}")
+          f"the larger; peak GiB: the device's peak in use (est.: compiled estimate, rows of "
+          f"{a.fit_check_from}+ tokens); {', '.join(COMPARED)} agree within rtol {a.rtol}: "
+          f"{ok}")
     return ok
 
 
@@ -290,6 +342,9 @@ def main():
                          "8 visual tokens a temporal patch)")
     ap.add_argument("--budget-s", type=float, default=0, help="skip lengths that would start "
                     "later than this")
+    ap.add_argument("--fit-check-from", type=int, default=65536,
+                    help="rows of this many tokens or more: compile first and skip the mode, "
+                         "with its estimate, when it cannot fit the device")
     ap.add_argument("--out", default="", help="write every result as JSON here")
     ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -308,7 +363,7 @@ def main():
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     flags = [f"--group={a.group}", f"--answer={a.answer}", f"--remat={a.remat}",
              f"--chunk={a.chunk}", f"--repeats={a.repeats}",
-             f"--tokens-per-frame={a.tokens_per_frame}"]
+             f"--tokens-per-frame={a.tokens_per_frame}", f"--fit-check-from={a.fit_check_from}"]
     flags += ["--vl7b"] * a.vl7b + ["--tiny"] * a.tiny
     results, t_start = {}, time.time()
     for P in (int(x) for x in a.prompts.split(",")):
@@ -316,14 +371,20 @@ def main():
             results[P] = {m: {"mode": m, "prompt": P, "error": "skipped (time budget)"}
                           for m in ("unshared", "shared")}
             continue
-        out = subprocess.run([sys.executable, __file__, f"--child={P}", *flags],
-                             capture_output=True, text=True, env=env)
-        recs = [json.loads(x[7:]) for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-        results[P] = {r["mode"]: r for r in recs}
-        if not recs:
+        try:   # one length's failure (a crashed child, even) still prints the others
+            out = subprocess.run([sys.executable, __file__, f"--child={P}", *flags],
+                                 capture_output=True, text=True, env=env)
+            for x in out.stdout.splitlines():
+                if not x.startswith("RESULT "):
+                    print(x, flush=True)          # which kernels each block took
+            recs = [json.loads(x[7:]) for x in out.stdout.splitlines()
+                    if x.startswith("RESULT ")]
             err = (out.stderr.strip().splitlines() or ["?"])[-1][:200]
-            results[P] = {m: {"mode": m, "prompt": P, "error": err} for m in ("unshared",
-                                                                             "shared")}
+        except Exception as e:
+            recs, err = [], f"{type(e).__name__}: {e}"[:200]
+        results[P] = {r["mode"]: r for r in recs}
+        for m in ("unshared", "shared"):
+            results[P].setdefault(m, {"mode": m, "prompt": P, "error": err})
         for r in results[P].values():
             print(json.dumps({k: v for k, v in r.items() if k != "metrics"}), flush=True)
     if a.out:

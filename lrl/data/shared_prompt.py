@@ -30,7 +30,11 @@ flag is set (all of a group's or none); the others are packed exactly as `pack` 
 and a group with one sequence (or one response in a row) is always packed so. A group whose
 prompt and responses do not fit one row is split into chunks of responses, each in a row of
 its own with a copy of the prefix: the prompt is then computed once per chunk. No unit spans
-rows. `share_groups` is the rule of `rl.shared_prompt` (off / on / auto).
+rows, so a shared group's prefix and its responses always lie in one row, the prefix first
+and the responses right after it, and segment (so prefix) ids increase along a row: the
+prefix block's cuDNN runs (`lrl.models.flash_cudnn.CrossRuns`) rely on the first two and
+match groups by id, not on the third. `share_groups` is the rule of `rl.shared_prompt`
+(off / on / auto).
 """
 from __future__ import annotations
 

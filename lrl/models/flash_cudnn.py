@@ -1,7 +1,9 @@
 """The one place that touches jax's private cuDNN attention
 (`jax._src.cudnn.fused_attention_stablehlo`): forward with log-sum-exp, the backward
 primitive bound directly (so a ring can hand it the *global* output and log-sum-exp),
-packed-segment dense attention, and the packed layout's per-run log-sum-exp (`PackedRuns`).
+packed-segment dense attention, and the packed layout's runs with their per-run
+log-sum-exp: `PackedRuns` (the same runs for queries and keys: causal within segments) and
+`CrossRuns` (a run of queries against a run of keys: the shared prompt's prefix block).
 The import is guarded; `unavailable_reason` says why cuDNN cannot run, and callers
 (lrl.models.flash) then take the XLA path.
 
@@ -136,8 +138,12 @@ def segment_runs(segment_ids_BT, max_segments):
     starts = jax.vmap(lambda s: jnp.nonzero(s, size=max_segments + 1, fill_value=T)[0])(start_BT)
     starts = starts.astype(jnp.int32)
     slot = jnp.arange(max_segments + 1)[None]
-    offsets = jnp.where(slot < count_B[:, None], starts, -1)
-    lengths = jnp.where(slot[:, :-1] < count_B[:, None], starts[:, 1:] - starts[:, :-1], -1)
+    # As many offsets as lengths, also in a row of more runs than max_segments: jax pairs the
+    # runs' offsets and lengths over all rows in order, so one more offset would shift the
+    # runs of every row after it (that row is NaN; the others must stay right).
+    used_B = jnp.minimum(count_B, max_segments)[:, None]
+    offsets = jnp.where(slot < used_B, starts, -1)
+    lengths = jnp.where(slot[:, :-1] < used_B, starts[:, 1:] - starts[:, :-1], -1)
     return offsets, lengths.astype(jnp.int32), count_B
 
 
@@ -202,3 +208,125 @@ class PackedRuns:
         flat = flat.at[self.slot_BT.reshape(-1)].set(
             lse_BNT.transpose(0, 2, 1).reshape(B * T, N), mode="drop")
         return flat.reshape(B * E, T, N).transpose(0, 2, 1)
+
+
+def _table(rows_B1, ids_BT, values_BT, fill, n_ids, how):
+    """[B, n_ids]: per row and id, `how` ("min", "max" or "add") of `values` over the tokens
+    with that id (id 0: no id, left at `fill`)."""
+    t = jnp.full((ids_BT.shape[0], n_ids), fill, jnp.int32)
+    t = getattr(t.at[rows_B1, ids_BT], how)(values_BT.astype(jnp.int32))
+    return t.at[:, 0].set(fill)
+
+
+def _row_take(table_BI, idx_BJ):
+    return jnp.take_along_axis(table_BI, idx_BJ, axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossRuns:
+    """A block whose query runs each read one run of keys: cuDNN's packed layout with
+    distinct query and key runs, mask PADDING (each run's queries see all its keys). Ids > 0
+    name runs, ids <= 0 none: a query run is a maximal run of equal query ids, and it reads
+    the keys whose key id is the same, matched by id (not by order). Queries and keys index
+    the same row (T == S). At most E = max_segments runs a row.
+
+    What cuDNN would get wrong or leave undefined is masked here: queries in no run (or whose
+    id no key has) come out as o = 0, lse = -inf and get dq = 0; keys no run reads get
+    dk = dv = 0. A row cuDNN cannot give exactly is NaN, output and gradients (`bad_B`): more
+    than E runs, or a run's keys not one contiguous run wholly before its queries (the
+    blockwise kernel's causal index would hide the later ones), or two query runs reading
+    the same keys (cuDNN writes dk per run, it does not add them).
+
+    cuDNN keeps the log-sum-exp per run as for `PackedRuns`: [B·E, N, T], slots numbered
+    across rows, each from position 0 of its QUERY run (assumed from `PackedRuns`'s layout,
+    measured on an H200 for equal runs only)."""
+    q_offsets_BE: jax.Array    # [B, E+1], -1 past the row's runs
+    q_lengths_BE: jax.Array    # [B, E]
+    kv_offsets_BE: jax.Array   # [B, E+1]
+    kv_lengths_BE: jax.Array   # [B, E]
+    count_B: jax.Array         # runs in the row, uncapped
+    slot_BT: jax.Array         # stats slot x T + position in the query run; B·E·T outside
+    q_in_BT: jax.Array         # queries in a run cuDNN is given
+    kv_in_BS: jax.Array        # keys that such a run reads
+    bad_B: jax.Array           # rows that come out NaN
+
+    @classmethod
+    def of(cls, q_ids_BT, kv_ids_BT, max_segments):
+        E = int(max_segments)
+        q, kv = jnp.asarray(q_ids_BT, jnp.int32), jnp.asarray(kv_ids_BT, jnp.int32)
+        (B, T), S = q.shape, kv.shape[1]
+        if S != T or kv.shape[0] != B:
+            raise ValueError(f"CrossRuns: query ids {q.shape} and key ids {kv.shape} must "
+                             "index the same rows")
+        n_ids = T + 1                            # a row of T tokens has ids 1..T at most
+        out_of_table_B = (q >= n_ids).any(1) | (kv >= n_ids).any(1)
+        iq = jnp.where((q > 0) & (q < n_ids), q, 0)
+        ik = jnp.where((kv > 0) & (kv < n_ids), kv, 0)
+        rows, pos = jnp.arange(B)[:, None], jnp.broadcast_to(jnp.arange(T), (B, T))
+        kv_first = _table(rows, ik, pos, T, n_ids, "min")
+        kv_last = _table(rows, ik, pos, -1, n_ids, "max")
+        kv_count = _table(rows, ik, jnp.ones_like(pos), 0, n_ids, "add")
+
+        q_in = (iq > 0) & (_row_take(kv_count, iq) > 0)           # its id has keys
+        start = q_in & _run_starts(iq)
+        end = q_in & jnp.concatenate([iq[:, 1:] != iq[:, :-1], jnp.ones((B, 1), bool)], 1)
+        count_B = start.sum(1).astype(jnp.int32)
+        first = lambda m: jax.vmap(lambda r: jnp.nonzero(r, size=E, fill_value=0)[0])(m)
+        starts, ends = first(start).astype(jnp.int32), first(end).astype(jnp.int32)
+        used_B = jnp.minimum(count_B, E)
+        valid = jnp.arange(E)[None] < used_B[:, None]
+        run_id = _row_take(iq, starts)
+        k_first, k_last = _row_take(kv_first, run_id), _row_take(kv_last, run_id)
+        k_len = _row_take(kv_count, run_id)
+        readers = _table(rows, iq, start, 0, n_ids, "add")         # query runs per id
+        bad_B = (out_of_table_B | (count_B > E) | (readers > 1).any(1)
+                 | (valid & ((k_last - k_first + 1 != k_len) | (k_last >= starts))).any(1))
+
+        pad = lambda x: jnp.concatenate([x, jnp.full((B, 1), -1, jnp.int32)], 1)
+        run_BT = jnp.cumsum(start, axis=1) - 1
+        q_in = q_in & (run_BT < E)
+        run_BT = jnp.clip(run_BT, 0, E - 1)
+        first_B = jnp.cumsum(used_B) - used_B                      # runs of the rows before
+        slot_BT = (first_B[:, None] + run_BT) * T + pos - _row_take(starts, run_BT)
+        kv_in = (ik > 0) & (_row_take(readers, ik) > 0)
+        return cls(pad(jnp.where(valid, starts, -1)), jnp.where(valid, ends - starts + 1, -1),
+                   pad(jnp.where(valid, k_first, -1)), jnp.where(valid, k_len, -1), count_B,
+                   jnp.where(q_in, slot_BT, B * E * T), q_in, kv_in, bad_B)
+
+    @property
+    def kwargs(self):
+        return dict(q_len=self.q_lengths_BE, kv_len=self.kv_lengths_BE,
+                    q_off=self.q_offsets_BE, kv_off=self.kv_offsets_BE)
+
+    @property
+    def any_run(self):
+        """Whether any row has a run: with none, the block is empty and cuDNN not called."""
+        return (self.count_B > 0).any()
+
+    def outputs(self, o_BTNH, stats):
+        """cuDNN's (o, per-run stats) -> (o float32, lse [B, N, T]), defined everywhere."""
+        BE, N, T = stats.shape
+        flat = stats.transpose(1, 0, 2).reshape(N, BE * T)
+        lse = jnp.take(flat, self.slot_BT, axis=1, mode="fill",
+                       fill_value=-jnp.inf).transpose(1, 0, 2)
+        q_in = self.q_in_BT[:, None]
+        o = jnp.where(self.q_in_BT[:, :, None, None], o_BTNH.astype(jnp.float32), 0.0)
+        return self._nan_rows(o), jnp.where(q_in, lse, -jnp.inf)
+
+    def stats_of(self, lse_BNT):
+        """A per-token log-sum-exp (the merged one, for the backward) -> cuDNN's per-run."""
+        B, N, T = lse_BNT.shape
+        E = self.q_lengths_BE.shape[1]
+        lse = jnp.where(jnp.isfinite(lse_BNT), lse_BNT, 0.0).astype(jnp.float32)
+        flat = jnp.zeros((B * E * T, N), jnp.float32).at[self.slot_BT.reshape(-1)].set(
+            lse.transpose(0, 2, 1).reshape(B * T, N), mode="drop")
+        return flat.reshape(B * E, T, N).transpose(0, 2, 1)
+
+    def grads(self, dq, dk, dv):
+        """cuDNN's gradients -> float32, zero for queries and keys outside every run."""
+        keep = lambda m, g: self._nan_rows(jnp.where(m[:, :, None, None],
+                                                     g.astype(jnp.float32), 0.0))
+        return keep(self.q_in_BT, dq), keep(self.kv_in_BS, dk), keep(self.kv_in_BS, dv)
+
+    def _nan_rows(self, x):
+        return jnp.where(self.bad_B[:, None, None, None], jnp.nan, x)

@@ -113,7 +113,9 @@ class _Ring:
     # segment ids, and with a shared prompt the response x prefix ids of
     # `shared_attention.prefix_masks`. Each pair is one kernel call; their results merge.
     # The prefix pair runs on XLA: cuDNN's "full" block assumes the keys' last segment is the
-    # only one shared with the queries, which holds for segments, not for prefixes.
+    # only one shared with the queries, which holds for segments, not for prefixes. (Whole
+    # rows on one device, `shared_attention`, give it to cuDNN as CrossRuns; a ring block's
+    # runs would be one shard's part of each prefix and of its responses: not done yet.)
 
     def _impl(self, pair: int):
         return self.implementation if pair == 0 else "xla"
@@ -312,8 +314,9 @@ def ring_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, mesh, seq_axis="se
     `lrl.data.shared_prompt`, in the same token order; a response then also sees its
     prompt prefix, which may lie on other shards (every prefix key precedes its responses,
     so the ring's causal skipping of blocks still holds). `implementation`: None (cuDNN
-    blocks on GPU when possible, else XLA), "xla" or "cudnn" (the response x prefix blocks
-    run on XLA whatever is chosen); q_chunk / kv_chunk size the XLA kernel's tiles.
+    blocks on GPU when possible, else XLA), "xla" or "cudnn" (the ring's response x prefix
+    blocks run on XLA whatever is chosen, unlike the dense path's, which `shared_attention`
+    runs on cuDNN); q_chunk / kv_chunk size the XLA kernel's tiles.
     """
     flash._check_qkv(q_BTNH, k_BSKH, v_BSKH)
     B, T, N, H = q_BTNH.shape

@@ -8,20 +8,25 @@ It is two blocks merged by their log-sum-exp (`flash.merge`, as the ring merges 
           attention within its own segment (a prefix's, a response's, an unshared
           sequence's), `flash.block_attention(mask_kind="causal")` with the segment ids:
           cuDNN's packed layout on GPU, the XLA kernel elsewhere.
-  prefix  a response's query and its prefix's keys. Ids from `prefix_masks` match exactly
-          those pairs; the causal index is kept too (every prefix key precedes its responses),
-          which lets the XLA kernel skip the chunk pairs above the diagonal and those of
-          rows' other groups. The XLA kernel runs it on every backend: cuDNN's padded forms
-          in lrl (`flash.block_attention`) take one rectangle or one set of runs for queries
-          and keys alike, and a row of several groups needs a run of responses against a
-          run of prefix keys per group.
+  prefix  a response's query and its prefix's keys (`prefix_masks`' ids match exactly those
+          pairs). On GPU: cuDNN's packed layout with distinct query and key runs
+          (`flash_cudnn.CrossRuns`): run e of a row is one group, its responses (contiguous,
+          right after the prefix, as `lrl.data.shared_prompt` packs them) against its
+          prefix's keys, mask PADDING (every prefix key precedes its responses); what cuDNN
+          leaves undefined (prefix tokens' and unshared sequences' queries, keys no run
+          reads) is masked to o = 0, lse = -inf and zero gradients. Elsewhere, or with
+          implementation="xla": the blockwise XLA kernel, with the causal index kept too,
+          which lets it skip the chunk pairs above the diagonal and those of rows' other
+          groups. Both blocks take one kernel, chosen as `flash.block_attention` chooses.
 
 The backward hands each block the merged output and log-sum-exp, as flash-attention's
 backward does, so the two blocks' gradients add up; a prefix's keys and values collect the
 gradient of every response that reads them.
 
 `shared_attention` is the whole row on one device (the model's "dense" path, and each head
-slice under Ulysses); `lrl.models.ring` runs the same two blocks per ring step over `seq`.
+slice under Ulysses); `lrl.models.ring` runs the same two blocks per ring step over `seq`,
+its prefix blocks on XLA on every backend (a ring block's keys are one shard's, whose
+prefix runs are not yet given to cuDNN).
 
 B batch rows · T query positions · S key/value positions · N query heads · K key/value heads ·
 H head dim.
@@ -33,9 +38,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from lrl.models import flash
+from lrl.models import flash_cudnn as fc
 
 _NO_QUERY, _NO_KEY = -1, -2   # ids that match nothing on the other side
 
@@ -59,23 +66,81 @@ class _Opts:
     kv_chunk: int
     max_segments: int
 
+    @property
+    def prefix_runs(self) -> int:
+        """Runs (groups) a row may hold in the prefix block's cuDNN call: a shared group
+        takes three segments at least (its prefix and two responses), so a row of more
+        groups has more than `max_segments` segments, which the self block's cuDNN call
+        gives as NaN already."""
+        return max(2, self.max_segments // 3)
 
-def _blocks(o: _Opts, seg, pre):
-    """The two blocks as (query ids, key ids, implementation); the self block passes the
-    same array twice, which is what lets `block_attention` take cuDNN's packed layout."""
+
+def kernels(q_BTNH, k_BSKH, implementation=None) -> dict:
+    """{"self": ..., "prefix": ...}: the kernel ("cudnn" or "xla") each block takes for
+    these dtypes and shapes (arrays or ShapeDtypeStructs): one choice for both, as
+    `flash.block_attention` makes it (cuDNN where it can run forward and backward here and
+    the caller did not ask for "xla")."""
+    impl = flash._pick(implementation, q_BTNH, k_BSKH, need_bwd=True,
+                       where="shared_attention")
+    return {"self": impl, "prefix": impl}
+
+
+def _self_kw(o: _Opts, impl, seg):
+    # The same array for queries and keys: what lets `block_attention` take cuDNN's packed
+    # layout.
+    return dict(mask_kind="causal", q_segment_ids=seg, kv_segment_ids=seg, scale=o.scale,
+                implementation=impl, q_chunk=o.q_chunk, kv_chunk=o.kv_chunk,
+                max_segments=o.max_segments)
+
+
+def _prefix_xla_kw(o: _Opts, seg, pre):
     q_pre, kv_pre = prefix_masks(seg, pre)
-    return ((seg, seg, o.implementation), (q_pre, kv_pre, "xla"))
+    return dict(mask_kind="causal", q_segment_ids=q_pre, kv_segment_ids=kv_pre,
+                scale=o.scale, implementation="xla", q_chunk=o.q_chunk, kv_chunk=o.kv_chunk)
+
+
+def prefix_runs(segment_ids_BT, prefix_ids_BT, max_runs) -> fc.CrossRuns:
+    """The prefix block as cuDNN's runs: query run e = the responses of one group of the
+    row, key run e = its prefix, matched by the prefix's id."""
+    return fc.CrossRuns.of(*prefix_masks(segment_ids_BT, prefix_ids_BT), max_runs)
+
+
+def _prefix_cudnn(o: _Opts, q, k, v, runs: fc.CrossRuns):
+    """The prefix block's forward on cuDNN -> (o float32, lse); rows of no shared group
+    (a micro-batch of unshared sequences) skip the kernel."""
+    def call():
+        out, stats = fc.fwd(q, k, v, causal=False, scale=o.scale, **runs.kwargs)
+        return runs.outputs(out, stats)
+
+    def empty():
+        B, T, N, H = q.shape
+        return jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, N, T), -jnp.inf)
+    return lax.cond(runs.any_run, call, empty)
+
+
+def _prefix_cudnn_bwd(o: _Opts, q, k, v, out, lse, do, runs: fc.CrossRuns):
+    """Its backward given the merged output and log-sum-exp: cuDNN's dq of a run is
+    sum over its keys of P (dP - D) with D = rowsum(dO . O) of the merged O, which is the
+    prefix block's share of the merged attention's dq (as for a ring's blocks)."""
+    def call():
+        g = fc.bwd(q, k, v, out, runs.stats_of(lse), do, causal=False, scale=o.scale,
+                   **runs.kwargs)
+        return runs.grads(*g)
+
+    def empty():
+        return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+    return lax.cond(runs.any_run, call, empty)
 
 
 def _forward(o: _Opts, q, k, v, seg, pre):
-    out = None
-    for qs, ks, impl in _blocks(o, seg, pre):
-        blk = flash.block_attention(q, k, v, mask_kind="causal", q_segment_ids=qs,
-                                    kv_segment_ids=ks, scale=o.scale, implementation=impl,
-                                    out_dtype=jnp.float32, q_chunk=o.q_chunk,
-                                    kv_chunk=o.kv_chunk, max_segments=o.max_segments)
-        out = blk if out is None else flash.merge(*out, *blk)
-    return out
+    impl = kernels(q, k, o.implementation)["prefix"]
+    blk = flash.block_attention(q, k, v, out_dtype=jnp.float32, **_self_kw(o, impl, seg))
+    if impl == "cudnn":
+        pre_blk = _prefix_cudnn(o, q, k, v, prefix_runs(seg, pre, o.prefix_runs))
+    else:
+        pre_blk = flash.block_attention(q, k, v, out_dtype=jnp.float32,
+                                        **_prefix_xla_kw(o, seg, pre))
+    return flash.merge(*blk, *pre_blk)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -93,14 +158,14 @@ def _shared_fwd(o: _Opts, q, k, v, seg, pre):
 
 def _shared_bwd(o: _Opts, res, do):
     q, k, v, seg, pre, out, lse = res
-    grads = None
-    for qs, ks, impl in _blocks(o, seg, pre):
-        g = flash.block_attention_bwd(q, k, v, out, lse, do, mask_kind="causal",
-                                      q_segment_ids=qs, kv_segment_ids=ks, scale=o.scale,
-                                      implementation=impl, q_chunk=o.q_chunk,
-                                      kv_chunk=o.kv_chunk, max_segments=o.max_segments)
-        grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
-    dq, dk, dv = grads
+    impl = kernels(q, k, o.implementation)["prefix"]
+    g_self = flash.block_attention_bwd(q, k, v, out, lse, do, **_self_kw(o, impl, seg))
+    if impl == "cudnn":
+        g_pre = _prefix_cudnn_bwd(o, q, k, v, out, lse, do,
+                                  prefix_runs(seg, pre, o.prefix_runs))
+    else:
+        g_pre = flash.block_attention_bwd(q, k, v, out, lse, do, **_prefix_xla_kw(o, seg, pre))
+    dq, dk, dv = (a + b for a, b in zip(g_self, g_pre))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
@@ -112,8 +177,10 @@ def shared_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, prefix_ids_BT, *,
                      q_chunk=512, kv_chunk=512):
     """Causal attention within segments plus each response's view of its shared prefix
     (module docstring) over whole rows -> o_BTNH in q's dtype. `implementation` (None, "xla"
-    or "cudnn") picks the self block's kernel as `flash.dense_attention` does; with
-    `prefix_ids_BT` all 0 the result is `flash.dense_attention`'s."""
+    or "cudnn") picks both blocks' kernel as `flash.block_attention` does (`kernels` says
+    which); on cuDNN a row holds at most `max_segments` segments and `max_segments // 3`
+    shared groups (NaN beyond). With `prefix_ids_BT` all 0 the result is
+    `flash.dense_attention`'s."""
     flash._check_qkv(q_BTNH, k_BSKH, v_BSKH)
     B, T, _, H = q_BTNH.shape
     if k_BSKH.shape[1] != T:
