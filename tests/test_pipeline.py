@@ -20,7 +20,6 @@ import pytest
 
 from lrl import checkpoint as ckpt_lib
 from lrl import config_util, experiment, grpo, loop, models, pipeline, rewards
-from lrl import mesh as mesh_lib
 from lrl import metrics as metrics_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

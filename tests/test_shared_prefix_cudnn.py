@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lrl.data import packing
 from lrl.data import shared_prompt as sp
 from lrl.models import flash
 from lrl.models import flash_cudnn as fc
@@ -284,6 +283,7 @@ def test_packer_puts_a_group_in_one_row_its_prefix_first_ids_increasing():
             qo, ql = np.asarray(runs.q_offsets_BE[b, :n]), np.asarray(runs.q_lengths_BE[b, :n])
             ko, kl = np.asarray(runs.kv_offsets_BE[b, :n]), np.asarray(runs.kv_lengths_BE[b, :n])
             np.testing.assert_array_equal(ko + kl, qo)             # prefix, then responses
+            assert (ql > 0).all()                                   # every group has responses
             ids = np.asarray(pre[b])[qo]
             assert (np.diff(ids) > 0).all()
             q_pre, kv_pre = sa.prefix_masks(seg, pre)

@@ -193,7 +193,6 @@ def main():
 
     import logging
 
-    import jax
     from lrl import loop, rewards
     # The loop's own sizing lines (the micro-batch budget, the engine's pool) on the console.
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
