@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 
 from lrl.mesh import make_mesh
 from lrl.models import flash, flash_cudnn, ring
+from tests.jaxpr_util import cudnn_bwd_eqns
 
 
 def reference(q, k, v, q_seg, kv_seg, q_idx, kv_idx):
@@ -348,23 +349,8 @@ def test_cudnn_backward_binding_matches_jax_own_vjp(monkeypatch, kind):
                                                   max_segments=4)
         return jax.vjp(f, q, k, v)[1](do)
 
-    def bwd_eqns(fn):
-        found = []
-
-        def walk(jaxpr):
-            for e in jaxpr.eqns:
-                if "bwd_wrapper" in str(e.primitive):
-                    found.append(([str(x.aval) for x in e.invars], e.params))
-                for p in e.params.values():
-                    inner = getattr(p, "jaxpr", None)
-                    if inner is not None:
-                        walk(getattr(inner, "jaxpr", inner))
-        try:
-            walk(jax.make_jaxpr(fn)(q, k, k, q).jaxpr)
-        except Exception as e:  # this jax cannot trace cuDNN attention off GPU
-            pytest.skip(f"cannot trace cuDNN attention here: {e}")
-        return found
-    assert bwd_eqns(ours) == bwd_eqns(theirs) != []
+    args = (q, k, k, q)
+    assert cudnn_bwd_eqns(ours, *args) == cudnn_bwd_eqns(theirs, *args) != []
 
 
 # ----------------------------------------------------------------------------- GPU only

@@ -15,6 +15,7 @@ from lrl.data import shared_prompt as sp
 from lrl.models import flash
 from lrl.models import flash_cudnn as fc
 from lrl.models import shared_attention as sa
+from tests.jaxpr_util import cudnn_bwd_eqns
 from tests.test_shared_prompt import groups_of, reference_attention
 
 JUNK = jnp.nan   # what the stand-in leaves where cuDNN leaves values undefined
@@ -372,23 +373,8 @@ def test_cudnn_prefix_call_traces_through_jax(monkeypatch):
         assert lse.shape == (4, 8, 256)                             # [B·E, N, T]
         return fc.bwd(q, k, v, o, lse, do, causal=False, scale=0.1, **kw)
 
-    def bwd_eqns(fn):
-        found = []
-
-        def walk(jaxpr):
-            for e in jaxpr.eqns:
-                if "bwd_wrapper" in str(e.primitive):
-                    found.append(([str(x.aval) for x in e.invars], e.params))
-                for p in e.params.values():
-                    inner = getattr(p, "jaxpr", None)
-                    if inner is not None:
-                        walk(getattr(inner, "jaxpr", inner))
-        try:
-            walk(jax.make_jaxpr(fn)(q, k, k, q).jaxpr)
-        except Exception as e:  # this jax cannot trace cuDNN attention off GPU
-            pytest.skip(f"cannot trace cuDNN attention here: {e}")
-        return found
-    assert bwd_eqns(ours) == bwd_eqns(theirs) != []
+    args = (q, k, k, q)
+    assert cudnn_bwd_eqns(ours, *args) == cudnn_bwd_eqns(theirs, *args) != []
 
 
 # ----------------------------------------------------------------------------- GPU only
