@@ -336,14 +336,14 @@ def test_shared_attention_cudnn_path_with_the_stand_in(monkeypatch, G, unshared)
     ref_o = reference_attention(q, k, v, seg, pre)
     np.testing.assert_allclose(want[0], ref_o, rtol=1e-5, atol=1e-5)
     calls = stand_in_cudnn(monkeypatch)
-    assert sa.kernels(q, k) == {"self": "cudnn", "prefix": "cudnn"}
+    assert sa.kernel(q, k) == "cudnn"
     got = jax.jit(lambda q, k, v: run(None))(q, k, v)
     for a, b, name in zip(got, want, "oqkv"):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
     # both blocks went to the kernel, the prefix block with distinct query and key runs
     assert set(calls) == {("fwd", True, False), ("bwd", True, False), ("fwd", False, True),
                           ("bwd", False, True)}
-    assert sa.kernels(q, k, "xla") == {"self": "xla", "prefix": "xla"}
+    assert sa.kernel(q, k, "xla") == "xla"
 
 
 def test_cudnn_prefix_call_traces_through_jax(monkeypatch):
@@ -416,7 +416,7 @@ def test_gpu_cudnn_prefix_block_and_shared_attention_match_xla():
         q16, k16, v16, o_m.astype(jnp.bfloat16), l_m, do16)
     for gc, gx in zip(g_c, g_x):
         assert rel_err(gc, gx) < 5e-2
-    assert sa.kernels(q16, k16) == {"self": "cudnn", "prefix": "cudnn"}
+    assert sa.kernel(q16, k16) == "cudnn"
 
     def run(impl, q, k, v, do):
         fn = lambda q, k, v: sa.shared_attention(q, k, v, seg, pre, implementation=impl)  # noqa

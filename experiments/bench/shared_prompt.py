@@ -178,7 +178,7 @@ def counts(cfg, n_params: int, state_bytes: int, micro) -> dict:
 def kernels(cfg, mode: str) -> str:
     """Which kernel each attention block takes here for the model's dtype and heads: the
     unshared rows' dense attention, the shared rows' self and prefix blocks
-    (`lrl.models.shared_attention.kernels`)."""
+    (`lrl.models.shared_attention.kernel`)."""
     import jax
     from lrl.models import flash
     from lrl.models import shared_attention as sa
@@ -186,7 +186,8 @@ def kernels(cfg, mode: str) -> str:
     k = jax.ShapeDtypeStruct((1, 1, cfg.n_kv_heads, cfg.head_dim), cfg.dtype)
     if mode == "unshared":
         return "dense " + flash._pick(cfg.attention_impl, q, k, need_bwd=False, where="bench")
-    return " / ".join(f"{b} {impl}" for b, impl in sa.kernels(q, k, cfg.attention_impl).items())
+    impl = sa.kernel(q, k, cfg.attention_impl)
+    return f"self {impl} / prefix {impl}"
 
 
 def fits(u, state, placed, extra, state_bytes: int) -> tuple[float, float]:

@@ -75,14 +75,11 @@ class _Opts:
         return max(2, self.max_segments // 3)
 
 
-def kernels(q_BTNH, k_BSKH, implementation=None) -> dict:
-    """{"self": ..., "prefix": ...}: the kernel ("cudnn" or "xla") each block takes for
-    these dtypes and shapes (arrays or ShapeDtypeStructs): one choice for both, as
-    `flash.block_attention` makes it (cuDNN where it can run forward and backward here and
-    the caller did not ask for "xla")."""
-    impl = flash._pick(implementation, q_BTNH, k_BSKH, need_bwd=True,
-                       where="shared_attention")
-    return {"self": impl, "prefix": impl}
+def kernel(q_BTNH, k_BSKH, implementation=None) -> str:
+    """The kernel ("cudnn" or "xla") both blocks take for these dtypes and shapes (arrays or
+    ShapeDtypeStructs), chosen as `flash.block_attention` chooses: cuDNN where it can run
+    forward and backward here and the caller did not ask for "xla"."""
+    return flash._pick(implementation, q_BTNH, k_BSKH, need_bwd=True, where="shared_attention")
 
 
 def _self_kw(o: _Opts, impl, seg):
@@ -133,7 +130,7 @@ def _prefix_cudnn_bwd(o: _Opts, q, k, v, out, lse, do, runs: fc.CrossRuns):
 
 
 def _forward(o: _Opts, q, k, v, seg, pre):
-    impl = kernels(q, k, o.implementation)["prefix"]
+    impl = kernel(q, k, o.implementation)
     blk = flash.block_attention(q, k, v, out_dtype=jnp.float32, **_self_kw(o, impl, seg))
     if impl == "cudnn":
         pre_blk = _prefix_cudnn(o, q, k, v, prefix_runs(seg, pre, o.prefix_runs))
@@ -158,7 +155,7 @@ def _shared_fwd(o: _Opts, q, k, v, seg, pre):
 
 def _shared_bwd(o: _Opts, res, do):
     q, k, v, seg, pre, out, lse = res
-    impl = kernels(q, k, o.implementation)["prefix"]
+    impl = kernel(q, k, o.implementation)
     g_self = flash.block_attention_bwd(q, k, v, out, lse, do, **_self_kw(o, impl, seg))
     if impl == "cudnn":
         g_pre = _prefix_cudnn_bwd(o, q, k, v, out, lse, do,
@@ -177,7 +174,7 @@ def shared_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, prefix_ids_BT, *,
                      q_chunk=512, kv_chunk=512):
     """Causal attention within segments plus each response's view of its shared prefix
     (module docstring) over whole rows -> o_BTNH in q's dtype. `implementation` (None, "xla"
-    or "cudnn") picks both blocks' kernel as `flash.block_attention` does (`kernels` says
+    or "cudnn") picks both blocks' kernel as `flash.block_attention` does (`kernel` says
     which); on cuDNN a row holds at most `max_segments` segments and `max_segments // 3`
     shared groups (NaN beyond). With `prefix_ids_BT` all 0 the result is
     `flash.dense_attention`'s."""

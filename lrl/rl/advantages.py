@@ -79,17 +79,19 @@ def advantages(rewards_PG, estimator: str = "grpo", eps: float = 1e-6, lengths_P
     if estimator == "reinforce_pp":
         # The batch mean of group-centred values is 0 up to rounding; the constant groups are
         # kept at exactly 0 after the shift.
-        w_PG = jnp.broadcast_to(real_P1, r_PG.shape).astype(jnp.float32)
-        n = w_PG.sum()
-        mean = jnp.sum(w_PG * centred_PG) / n
-        std = jnp.sqrt(jnp.sum(w_PG * (centred_PG - mean) ** 2) / (n - 1.0))
-        return jnp.where(informative_P1, (centred_PG - mean) / (std + eps), 0.0)
-    w_PG = _token_counts(lengths_PG, r_PG.shape) * real_P1
-    n = w_PG.sum()
-    mean = jnp.sum(w_PG * centred_PG) / n
-    var = jnp.sum(w_PG * (centred_PG - mean) ** 2) / (n - 1.0)
+        mean, var = _weighted_moments(jnp.broadcast_to(real_P1, r_PG.shape), centred_PG)
+        return jnp.where(informative_P1, (centred_PG - mean) / (jnp.sqrt(var) + eps), 0.0)
+    mean, var = _weighted_moments(_token_counts(lengths_PG, r_PG.shape) * real_P1, centred_PG)
     white_PG = (centred_PG - mean) / jnp.sqrt(var + _WHITEN_VAR_EPS)
     return jnp.where(informative_P1, white_PG, 0.0)
+
+
+def _weighted_moments(w_PG, x_PG):
+    """(mean, unbiased variance) of x with frequency weights w (n = their sum)."""
+    w_PG = jnp.asarray(w_PG, jnp.float32)
+    n = w_PG.sum()
+    mean = jnp.sum(w_PG * x_PG) / n
+    return mean, jnp.sum(w_PG * (x_PG - mean) ** 2) / (n - 1.0)
 
 
 def _token_counts(lengths_PG, shape):
