@@ -25,17 +25,38 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # run from anywhere
 
 
-def make_case(B, length, N, K, H, L, page_size, Y, seed=0):
-    import jax.numpy as jnp
+def case_lengths(case: str, seed: int = 0) -> np.ndarray:
+    """"BxLENGTH" -> B rows of LENGTH tokens; "BxMEAN~CAP" -> B lengths drawn log-normal
+    (sigma 1, mean MEAN before the cap at CAP), as a partial rollout's decode rows are after
+    carried samples fill the slots (experiments/bench/grpo_step.py draws responses so)."""
+    B, spec = case.split("x")
+    B = int(B)
+    if "~" not in spec:
+        return np.full(B, int(spec), np.int32)
+    mean, cap = (int(v) for v in spec.split("~"))
     rng = np.random.RandomState(seed)
-    num_pages = B * Y + 1                       # page 0 is the engine's null page
-    table = (1 + rng.permutation(B * Y)).reshape(B, Y).astype(np.int32)
-    k = rng.standard_normal((K, L * num_pages, page_size, H)).astype(np.float32)
-    v = rng.standard_normal((K, L * num_pages, page_size, H)).astype(np.float32)
-    q = rng.standard_normal((L, B, 1, N, H)).astype(np.float32)
-    lengths = np.full(B, length, np.int32)
-    return (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16),
-            jnp.asarray(v, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lengths), num_pages)
+    drawn = rng.lognormal(np.log(mean) - 0.5, 1.0, B)
+    return np.clip(drawn.round(), 1, cap).astype(np.int32)
+
+
+def make_case(lengths, N, K, H, L, page_size, Y, seed=0):
+    """A pool holding only the rows' live pages, scattered (page 0 is the engine's null page,
+    where the rest of each row's table points), K, V and q drawn on the device."""
+    import jax
+    import jax.numpy as jnp
+    B = len(lengths)
+    rng = np.random.RandomState(seed)
+    used = -(-np.asarray(lengths) // page_size)
+    num_pages = int(used.sum()) + 1
+    order = 1 + rng.permutation(num_pages - 1)
+    table = np.zeros((B, Y), np.int32)
+    for b, start in enumerate(np.concatenate([[0], np.cumsum(used)[:-1]])):
+        table[b, :used[b]] = order[start:start + used[b]]
+    kk, kv, kq = jax.random.split(jax.random.PRNGKey(seed), 3)
+    pool = (K, L * num_pages, page_size, H)
+    return (jax.random.normal(kq, (L, B, 1, N, H), jnp.bfloat16),
+            jax.random.normal(kk, pool, jnp.bfloat16), jax.random.normal(kv, pool, jnp.bfloat16),
+            jnp.asarray(table), jnp.asarray(lengths, jnp.int32), num_pages)
 
 
 def layered(attend, L, num_pages):
@@ -60,7 +81,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny, Pallas in interpret mode (CPU)")
     ap.add_argument("--cases", default="256x640,16x8448",
-                    help="BxLENGTH,...: rows and kv length of every row")
+                    help="BxLENGTH or BxMEAN~CAP (log-normal lengths),...: rows and their kv lengths")
     ap.add_argument("--impls", default="pallas_gqa,pallas",
                     help="GPU kernels: pallas_gqa (lrl.rollout.paged_kernel), pallas (jax's)")
     ap.add_argument("--block-pages", default="2,4,8", help="pages per compute block")
@@ -84,19 +105,20 @@ def main():
     from lrl.rollout import paged_attention as pa
 
     N, K, H, L = (4, 2, 16, 2) if a.smoke else (12, 2, 128, 28)
-    cases = ["4x40"] if a.smoke else a.cases.split(",")
+    cases = ["4x40", "4x24~40"] if a.smoke else a.cases.split(",")
     interpret = a.smoke or jax.default_backend() != "gpu"
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, N={N} K={K} H={H} "
           f"L={L} page {a.page_size}", flush=True)
     rows = []
     for case in cases:
-        B, length = (int(x) for x in case.split("x"))
+        lengths = case_lengths(case)
+        B = len(lengths)
         few = B < 64
         align = max(a.block_pages) * max(a.splits) * (8 if few else 1)
-        Y = -(-length // a.page_size)
+        Y = -(-int(lengths.max()) // a.page_size)
         Y = -(-Y // align) * align              # a multiple of every block x split tried
-        q, kp, vp, table, lengths, num_pages = make_case(B, length, N, K, H, L, a.page_size, Y)
-        kv_bytes = 2 * B * length * K * H * kp.dtype.itemsize   # one layer's live K and V
+        q, kp, vp, table, lengths, num_pages = make_case(lengths, N, K, H, L, a.page_size, Y)
+        kv_bytes = 2 * int(lengths.sum()) * K * H * kp.dtype.itemsize   # a layer's live K, V
         ref_f = layered(lambda q, k, v, t, n, base: pa.decode_attention(
             q, k, v, t, n, base, impl="xla", pages_per_block=8), L, num_pages)
         ref = jax.block_until_ready(ref_f(q, kp, vp, table, lengths))
