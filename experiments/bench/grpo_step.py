@@ -97,6 +97,17 @@ def make_config(a):
     c.checkpoint.update(every_steps=0, every_minutes=0.0)
     c.metrics.update(tensorboard=False, samples_per_step=0)
     c.optim.update(warmup_steps=1)
+    for item in a.set:
+        key, sep, value = item.partition("=")
+        *path, leaf = key.split(".")
+        node = c
+        for part in path:
+            node = node[part]
+        if not sep or leaf not in node:
+            raise SystemExit(f"--set {item!r}: not KEY=VALUE for a key of the config")
+        old = node[leaf]
+        node[leaf] = type(old)(value) if not isinstance(old, bool) else value in ("1", "true",
+                                                                                   "True")
     return c
 
 
@@ -177,6 +188,8 @@ def main():
     ap.add_argument("--param-dtype", default="",
                     help="model.param_dtype (default: the config's; bfloat16 for 7B shapes, "
                          "whose fp32 masters and Adam moments do not fit one H200)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override after the bench's own, e.g. model.remat=full")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--table-from", default="",
                     help="print the table of a run's metrics.jsonl (one cut short, say) "
