@@ -288,3 +288,17 @@ def test_gpu_gqa_kernel_matches_xla(kv_per_program, k_splits):
                                  k_splits=k_splits, kv_per_program=kv_per_program)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want[:, 0], np.float32),
                                atol=2e-2)
+
+
+def test_k_splits_fill_the_gpu_and_bound_a_long_row():
+    """Splits fill the GPU at few slots and bound the tokens one program streams in a long
+    row; short rows at many slots keep the splits they had."""
+    from lrl.rollout.engine import k_splits
+    assert k_splits(256, 1) == 2 and k_splits(256, 2) == 1 and k_splits(16, 1) == 16
+    assert k_splits(256, 2, row_tokens=1279) == 1            # the short case: unchanged
+    assert k_splits(128, 2, row_tokens=16639) == 16          # 16K rows: ~1K tokens a split
+    assert k_splits(128, 2, row_tokens=2047) == 2            # the slot rule alone
+    assert k_splits(8, 1, row_tokens=1 << 20) == 64          # capped at `most`
+    for slots, rows in ((128, 16639), (256, 4095), (32, 70000)):
+        k = k_splits(slots, 2, row_tokens=rows)
+        assert k & (k - 1) == 0 and (rows // k < 2048 or k == 64)

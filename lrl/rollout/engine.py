@@ -122,14 +122,26 @@ class Kept:
     rope_delta: int = 0
 
 
-def k_splits(slots: int, kv_programs: int, programs: int = 512) -> int:
-    """Kernel programs are slots x kv-head programs x splits: aim for about `programs`, from 1
-    to 16 splits, a power of two. Many slots fill the GPU unsplit, and splitting them was
-    slower (256 slots: 1 split faster than 2 or 4); a few long rows need the splits (16 rows of
-    8K tokens: 16 faster than 8). Qwen2.5-1.5B shapes; BENCHMARKS.md, "Decode layout of the
-    weights", the fourth session's kernel table, and "Measurements once quoted in the code"."""
+def k_splits(slots: int, kv_programs: int, row_tokens: int = 0, programs: int = 512,
+             split_tokens: int = 1024, most: int = 64) -> int:
+    """Kv splits of the decode kernel, a power of two: enough that slots x kv-head programs x
+    splits make about `programs` (from 1 to 16 on that count), and, for rows of up to
+    `row_tokens`, enough that one split streams at most about `split_tokens` of a row (up to
+    `most`).
+
+    The first rule fills the GPU: many slots fill it unsplit, and splitting them was slower
+    (256 slots: 1 split faster than 2 or 4); a few long rows need the splits (16 rows of 8K
+    tokens: 16 faster than 8). The second bounds the longest program. A program streams its
+    pages one block after another, so a row of 16K tokens in one split of two was a serial
+    read of 8K tokens that the short rows had long finished: long partial rollouts read KV at
+    1.1-1.4 TB/s where uniform rows reach 2.5-3.2. The splits a short row does not reach are
+    programs that find no page and end at once. Qwen2.5-1.5B shapes; BENCHMARKS.md, "Decode
+    layout of the weights", the fourth session's kernel table, "Measurements once quoted in
+    the code" and "Thirteenth session"."""
     k = 1
     while k < 16 and slots * kv_programs * k < programs:
+        k *= 2
+    while k < most and row_tokens // (2 * k) >= split_tokens:
         k *= 2
     return k
 

@@ -104,8 +104,10 @@ def engine_config(cfg: ModelConfig, *, max_prompt_len: int, max_new_tokens: int,
         sampling=sampling, attention_impl=attention_impl,
         decode_block_pages=decode_block_pages, prefill_block_pages=prefill_block_pages,
         layer_unroll=layer_unroll,
-        pallas_k_splits=pallas_k_splits or k_splits(max_slots, cfg.n_kv_heads // kv_heads_per_program(
-            cfg.n_heads, cfg.n_kv_heads, pallas_kv_per_program)),
+        pallas_k_splits=pallas_k_splits or k_splits(
+            max_slots, cfg.n_kv_heads // kv_heads_per_program(
+                cfg.n_heads, cfg.n_kv_heads, pallas_kv_per_program),
+            row_tokens=max_prompt_len + max_new_tokens - 1),
         pallas_warps=pallas_warps, pallas_stages=pallas_stages,
         pallas_kv_per_program=pallas_kv_per_program, fused_decode=fused_decode,
         sampling_impl=sampling_impl,
@@ -185,8 +187,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     with timings and counts (prefill_s, decode_s, decode_steps, new_tokens, sampled_tokens
     (preempted ones included), occupancy, slot_occupancy, kv_token_steps,
     peak_pages, pages_allocated, pages_unshared, ...) and blocks on the prefill to time it.
-    `pallas_k_splits` (None: from the slot count) splits each row's pages over that many
-    programs of the GPU attention kernel, so a few long rows still fill the GPU;
+    `pallas_k_splits` (None: from the slot count and the longest row, `k_splits`) splits each
+    row's pages over that many programs of the GPU attention kernel, so a few long rows
+    still fill the GPU and no program streams a whole long row alone;
     `pallas_warps` / `pallas_stages` are that kernel's Triton num_warps and num_stages;
     `pallas_kv_per_program`, for attention_impl="pallas_gqa", the kv heads one program takes;
     `fused_decode` lets that kernel also add the qkv bias, apply q/k norm and RoPE and write
