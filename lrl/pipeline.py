@@ -44,7 +44,7 @@ import jax
 import numpy as np
 
 from lrl import checkpoint as ckpt_lib
-from lrl import compiles, grpo, tasks
+from lrl import collect, compiles, grpo, tasks
 from lrl import mesh as mesh_lib
 from lrl.models import params as params_lib
 from lrl.rollout import weights as weights_lib
@@ -90,22 +90,22 @@ def handover(params, mesh, rollout_mesh) -> Handover:
 @dataclasses.dataclass(frozen=True)
 class Batch:
     """One step's batch, sampled and scored ahead of its update."""
-    groups: grpo.Groups
+    groups: collect.Groups
     metrics: dict                  # the rollout's and the rewards' (numbers)
 
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """What a pipelined step uses, built once where the loop is built."""
-    train: grpo.Setup              # the update's programs, on the training mesh
-    rollout: grpo.Setup            # the same, with the rollout mesh and its engine
+    train: collect.Setup           # the update's programs, on the training mesh
+    rollout: collect.Setup         # the same, with the rollout mesh and its engine
     handover: Handover
 
 
 def sample(p: Pipeline, params, it, step_index: int, age: int) -> Batch:
     """Step `step_index`'s batch, drawn by the rollout mesh under `params` (on it), which are
     `age` policy versions older than those that will train on it."""
-    groups, m = grpo.collect(p.rollout, params, it, step_index)
+    groups, m = collect.collect(p.rollout, params, it, step_index)
     ages = np.full(len(groups.completions), age, np.int32)
     return Batch(dataclasses.replace(groups, ages=ages), m)
 
@@ -179,9 +179,10 @@ def from_state(d: dict) -> Batch:
                 and all(c.shape == x.shape for c, x in zip(completions, logps))):
             raise ValueError(f"{len(prompts)} prompts x {G} samples do not match the saved "
                              "completions, log-probs, rewards and ages")
-        groups = grpo.Groups(prompts, completions, logps, G, np.asarray(d["truncated"], bool),
-                             tuple(d["texts"]), rewards.reshape(len(prompts), G),
-                             np.asarray(d["ages"], np.int32))
+        groups = collect.Groups(prompts, completions, logps, G,
+                                np.asarray(d["truncated"], bool), tuple(d["texts"]),
+                                rewards.reshape(len(prompts), G),
+                                np.asarray(d["ages"], np.int32))
         return Batch(groups, dict(d["metrics"]))
     except (KeyError, TypeError) as e:
         raise ValueError(f"{type(e).__name__}: {e}") from e

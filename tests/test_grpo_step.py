@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from lrl import config_util, grpo, loop, models, options
+from lrl import collect, config_util, grpo, loop, models, options
 from lrl import mesh as mesh_lib
 from lrl.rewards import register
 from lrl.rollout import sp_prefill
@@ -28,9 +28,9 @@ def _groups(rewards_PG, lengths, max_new=8):
     P, G = rewards_PG.shape
     prompts = tuple(Prompt(np.arange(1, 4, dtype=np.int32), str(p), {}, "") for p in range(P))
     comps = tuple(np.full(n, 7, np.int32) for n in lengths)
-    return grpo.Groups(prompts, comps, tuple(np.zeros(n, np.float32) for n in lengths), G,
-                       np.array([n >= max_new for n in lengths]),
-                       texts=tuple("x" * n for n in lengths), rewards_PG=rewards_PG)
+    return collect.Groups(prompts, comps, tuple(np.zeros(n, np.float32) for n in lengths), G,
+                          np.array([n >= max_new for n in lengths]),
+                          texts=tuple("x" * n for n in lengths), rewards_PG=rewards_PG)
 
 
 def test_shaping_and_selection_return_new_groups():
@@ -46,9 +46,9 @@ def test_shaping_and_selection_return_new_groups():
     assert weight.tolist() == [0, 1, 0, 1]
     with pytest.raises(dataclasses.FrozenInstanceError):
         g.rewards_PG = None
-    kept = g.take(grpo.informative(g.rewards_PG))
+    kept = g.take(collect.informative(g.rewards_PG))
     assert kept.P == 1 and kept.prompts[0].answer == "0" and len(kept.completions) == 2
-    both = grpo.Groups.concat([kept, g.take(np.array([False, True]))])
+    both = collect.Groups.concat([kept, g.take(np.array([False, True]))])
     assert [p.answer for p in both.prompts] == ["0", "1"] and both.rewards_PG.shape == (2, 2)
     assert both.texts == ("x" * 8, "xxx", "x" * 8, "xxxxx")
 
@@ -87,9 +87,9 @@ def test_text_prompts_above_sp_min_tokens_prefill_over_seq(monkeypatch):
                                 partial_tokens=0, partial_tail=0.0, partial_seconds=0.0,
                                 max_staleness=2,
                                 partial_keep_kv=True)
-    setup = grpo.Setup(rl=rl, rollout=ro, seed=0, task=None, tokenizer=None, model_cfg=cfg,
-                       mesh=mesh, eos_ids=(), pool=None, update=None, logprobs=None, shards=4,
-                       row_len=128, rows_per_shard=1, max_segments=64)
+    setup = collect.Setup(rl=rl, rollout=ro, seed=0, task=None, tokenizer=None, model_cfg=cfg,
+                          mesh=mesh, eos_ids=(), pool=None, update=None, logprobs=None, shards=4,
+                          row_len=128, rows_per_shard=1, max_segments=64)
     sharded_lengths = []
     call = sp_prefill._call
 
@@ -98,9 +98,9 @@ def test_text_prompts_above_sp_min_tokens_prefill_over_seq(monkeypatch):
         return call(engine, cfg_, params_, mesh_, kp, vp, group, rows, T)
 
     monkeypatch.setattr(sp_prefill, "_call", recording)
-    want = grpo.rollout_groups(setup, params, prompts, group_size=2, seed=0)
+    want = collect.rollout_groups(setup, params, prompts, group_size=2, seed=0)
     sp = dataclasses.replace(setup, prefill=sp_prefill.make_prefill(mesh, ro.sp_min_tokens))
-    got = grpo.rollout_groups(sp, params, prompts, group_size=2, seed=0)
+    got = collect.rollout_groups(sp, params, prompts, group_size=2, seed=0)
     assert sorted(sharded_lengths) == [60, 89]   # the two prompts of >= 48 cached tokens
     for w, g, wl, gl in zip(want.completions, got.completions, want.logps, got.logps):
         np.testing.assert_array_equal(g, w)
@@ -148,10 +148,10 @@ def _mismatch_setup(rows_per_shard=1, **rl_kw):
                                 partial_tokens=0, partial_tail=0.0, partial_seconds=0.0,
                                 max_staleness=2,
                                 partial_keep_kv=True)
-    return grpo.Setup(rl=rl, rollout=ro, seed=5, task=_TextRows(), tokenizer=None,
-                      model_cfg=TINY, mesh=None, eos_ids=(), pool=None, update=None,
-                      logprobs=upd.make_logprobs_fn(TINY, chunk=16), shards=1, row_len=32,
-                      rows_per_shard=rows_per_shard, max_segments=8)
+    return collect.Setup(rl=rl, rollout=ro, seed=5, task=_TextRows(), tokenizer=None,
+                         model_cfg=TINY, mesh=None, eos_ids=(), pool=None, update=None,
+                         logprobs=upd.make_logprobs_fn(TINY, chunk=16), shards=1, row_len=32,
+                         rows_per_shard=rows_per_shard, max_segments=8)
 
 
 def test_mismatch_metrics_of_a_step_read_the_sampler_log_probs_packed_with_the_tokens():
@@ -160,7 +160,7 @@ def test_mismatch_metrics_of_a_step_read_the_sampler_log_probs_packed_with_the_t
                           models.init_params(TINY, jax.random.key(1)))
     rng = np.random.RandomState(0)
     prompts = [Prompt(rng.randint(1, 64, n).astype(np.int32), "", {}, "") for n in (15, 4, 16, 5)]
-    groups = grpo.rollout_groups(s, params, prompts, group_size=2, seed=0)
+    groups = collect.rollout_groups(s, params, prompts, group_size=2, seed=0)
     adv, weight = np.ones((4, 2), np.float32), np.ones(8, np.float32)
     batches, _ = grpo.minibatches(s, groups, adv, weight)
     n_micro = sum(len(b.micro) for b in batches)
@@ -216,7 +216,7 @@ def test_warm_up_compiles_the_shapes_not_run_yet_and_changes_nothing():
     before_params = jax.tree.map(np.asarray, params)
     rng = np.random.RandomState(0)
     prompts = [Prompt(rng.randint(1, 64, n).astype(np.int32), "", {}, "") for n in (15, 4, 16, 5)]
-    groups = grpo.rollout_groups(s, params, prompts, group_size=2, seed=0)
+    groups = collect.rollout_groups(s, params, prompts, group_size=2, seed=0)
     batches, _ = grpo.minibatches(s, groups, np.ones((4, 2), np.float32),
                                   np.ones(8, np.float32))
     assert {mb["tokens"].shape for b in batches for mb in b.micro} == {(2, 32), (1, 32)}
@@ -241,7 +241,7 @@ def test_old_log_probs_from_the_trainer_give_the_mismatch_of_every_micro_batch()
     params = models.init_params(TINY, jax.random.key(2))
     rng = np.random.RandomState(1)
     prompts = [Prompt(rng.randint(1, 64, n).astype(np.int32), "", {}, "") for n in (4, 9)]
-    groups = grpo.rollout_groups(s, params, prompts, group_size=3, seed=0)
+    groups = collect.rollout_groups(s, params, prompts, group_size=3, seed=0)
     groups = dataclasses.replace(groups, ages=np.array([0, 1, 2, 0, 1, 2]))
     batches, _ = grpo.minibatches(s, groups, np.ones((2, 3), np.float32),
                                   np.ones(6, np.float32))

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from lrl import checkpoint as ckpt_lib
-from lrl import config_util, experiment, grpo, loop, models, pipeline, rewards
+from lrl import collect, config_util, experiment, loop, models, pipeline, rewards
 from lrl import metrics as metrics_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,15 +142,15 @@ def test_pipelined_steps_equal_a_synchronous_run_on_weights_one_step_old(
 
     # The reference: one mesh, rollout and update in turn, the rollout of step t fed the
     # weights step t-1 started from (step 0: its own).
-    collect, seen = grpo.collect, []
+    synchronous, seen = collect.collect, []
 
     def lagged(s, params, it, step_index):
         seen.append(jax.tree.map(jnp.copy, params))   # copies: the update donates the state
-        groups, m = collect(s, seen[max(step_index - 1, 0)], it, step_index)
+        groups, m = synchronous(s, seen[max(step_index - 1, 0)], it, step_index)
         ages = np.full(len(groups.completions), min(step_index, 1), np.int32)
         return dataclasses.replace(groups, ages=ages), m
 
-    monkeypatch.setattr(grpo, "collect", lagged)
+    monkeypatch.setattr(collect, "collect", lagged)
     ref = str(tmp_path / "reference")
     loop.run(tiny_config(rollout_devices=0), ref)
     assert _texts(ref) == _texts(workdir)
@@ -202,10 +202,10 @@ def test_the_batch_sampled_ahead_round_trips_through_the_data_state():
                Prompt(np.array([6], np.int32), "1", {}, "6"))
     logps = tuple(np.random.RandomState(i).randn(n).astype(np.float32)
                   for i, n in enumerate((2, 1, 3, 2)))
-    groups = grpo.Groups(prompts, tuple(np.arange(len(x), dtype=np.int32) for x in logps),
-                         logps, 2, np.array([0, 1, 0, 0], bool), ("a", "b", "c", "d"),
-                         np.array([[0.1, 0.2], [0.3, 1 / 3]], np.float32),
-                         np.ones(4, np.int32))
+    groups = collect.Groups(prompts, tuple(np.arange(len(x), dtype=np.int32) for x in logps),
+                            logps, 2, np.array([0, 1, 0, 0], bool), ("a", "b", "c", "d"),
+                            np.array([[0.1, 0.2], [0.3, 1 / 3]], np.float32),
+                            np.ones(4, np.int32))
     state = json.loads(json.dumps(encode_data(pipeline.to_state(
         pipeline.Batch(groups, {"reward/mean": np.float32(0.25), "rollout/x": 3})))))
     back = pipeline.from_state(decode_data(state)["pipeline_batch"])
