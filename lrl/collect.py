@@ -20,9 +20,8 @@ groups as they complete, drops the uniform ones and rolls on for informative one
 
 What comes out is `Groups` (frozen), which the learning half (`lrl.grpo.learn`) trains on in
 the same step or, in the one-step-off pipeline (`lrl.pipeline`), one step later; held-out
-evaluation (`lrl.grpo.evaluate`) samples through `sample_and_score` too. `Setup`, what every
-step uses, is defined here because both halves read it and `lrl.grpo` imports this module,
-never the other way round.
+evaluation (`lrl.grpo.evaluate`) samples through `sample_and_score` too. Both halves read
+`lrl.step_setup.Setup`, what every step uses.
 
 P prompts · G samples per prompt.
 """
@@ -39,6 +38,7 @@ import numpy as np
 
 from lrl import rollout
 from lrl.rollout import partial
+from lrl.step_setup import Setup
 from lrl.tasks import Prompt
 
 log = logging.getLogger(__name__)
@@ -88,40 +88,6 @@ class Groups:
         if self.ages is None:
             return np.zeros(len(self.completions), np.int32)
         return np.asarray(self.ages)
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """What every GRPO step uses, built once where the loop is built."""
-    rl: object                    # options.RLOptions
-    rollout: object               # options.RolloutOptions
-    seed: int
-    task: object                  # lrl.tasks: prepare / update_inputs
-    tokenizer: object
-    model_cfg: object
-    mesh: object
-    eos_ids: tuple
-    pool: object                  # lrl.rewards.RewardPool
-    update: object                # rl.update.UpdatePrograms, compiled per micro-batch shape
-    logprobs: Optional[Callable]  # jitted (params, micro_batch, extra) -> logp_BT, when needed
-    shards: int                   # data-parallel shards of the mesh (data x fsdp)
-    row_len: int                  # T of a packed row
-    rows_per_shard: int           # rows a data shard holds in one micro-batch
-    max_segments: int             # sequences a row may hold (the attention's packed runs)
-    max_len: Optional[int] = None # the loss's max_len (seq_mean_token_sum_norm)
-    prefill: Optional[Callable] = None   # sequence-parallel prefill of long prompts
-    ref_params: object = None     # the frozen reference, when KL is on
-    engine: object = None         # the run's rollout engine (None: one per call, sized for it)
-    decode: object = None         # rollout.weights.DecodeWeights for that engine
-    # Benchmarks only: a sample's forced length, from its key (its prompt's ids as bytes, its
-    # index in the group), as if its end token came there; a carried sample samples the rest.
-    max_new_fn: Optional[Callable[[tuple], int]] = None
-    # Row lengths below row_len a minibatch's last rows are cut to, longest first
-    # (`lrl.rl.budget.row_lengths`); () cuts none.
-    buckets: tuple = ()
-    # The micro-batch shapes [B, T] the step's programs have run (`warm_up`).
-    warmed: set = dataclasses.field(default_factory=set)
-
 
 
 # ----------------------------------------------------------------------------- rollout

@@ -4,7 +4,7 @@ collects G samples per prompt and scores them (`lrl.collect`, with dynamic sampl
 minibatches of samples, packs each into rows and micro-batches of a few fixed shapes, takes
 the old and reference log-probs, and runs the updates. The device half (the update and
 log-prob programs, compiled once for each micro-batch shape, and the rollout engine) is built
-once by the loop and handed in as `Setup` (`lrl.collect.Setup`).
+once by the loop and handed in as `Setup` (`lrl.step_setup`).
 
 Each stage is a module-level function of plain values that returns new values (`Groups` is
 frozen), so the order of calls is the data flow below and each stage can be read, tested and
@@ -46,7 +46,8 @@ import numpy as np
 
 from lrl import collect, compiles, distributed, rl
 from lrl import mesh as mesh_lib
-from lrl.collect import Groups, Setup
+from lrl.collect import Groups
+from lrl.step_setup import Setup
 from lrl.data import packing, shared_prompt
 from lrl.rl import mismatch
 

@@ -22,7 +22,7 @@ from lrl import checkpoint as ckpt_lib
 from lrl import console
 from lrl import distributed
 from lrl import experiment as ex
-from lrl import collect, grpo, tasks
+from lrl import collect, grpo, step_setup, tasks
 from lrl import pipeline as pipeline_lib
 from lrl import mesh as mesh_lib
 from lrl import options as options_lib
@@ -166,7 +166,7 @@ def sft_phase(r: Run, state, tx, steps: int, data_state: dict):
 
 # ----------------------------------------------------------------------------- GRPO
 
-def build_grpo(r: Run, state, tx, pool) -> collect.Setup:
+def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
     """The GRPO step's compiled programs and fixed inputs, built once for the phase: the
     update for the micro-batch shapes (its token budget from the config or from device
     memory, shorter rows for a minibatch's last ones), the old / reference log-prob pass,
@@ -215,7 +215,7 @@ def build_grpo(r: Run, state, tx, pool) -> collect.Setup:
     prefill = None
     if opts.model.attention != "dense" and mesh.shape["seq"] > 1 and r.rollout_mesh is None:
         prefill = sp_prefill.make_prefill(mesh, opts.rollout.sp_min_tokens)
-    return collect.Setup(
+    return step_setup.Setup(
         rl=rl_, rollout=opts.rollout, seed=opts.seed, task=task, tokenizer=task.tokenizer,
         model_cfg=task.model_cfg, mesh=mesh, eos_ids=r.eos_ids, pool=pool, update=update,
         logprobs=logp_fn, shards=shards, row_len=budget.row_len,
@@ -227,7 +227,7 @@ def build_grpo(r: Run, state, tx, pool) -> collect.Setup:
         ref_params=ref_params)
 
 
-def build_pipeline(r: Run, s: collect.Setup, state) -> pipeline_lib.Pipeline:
+def build_pipeline(r: Run, s: step_setup.Setup, state) -> pipeline_lib.Pipeline:
     """The one-step-off pipeline's rollout half: the weights' handover to the rollout mesh,
     the engine there (its pool from the rollout devices' memory), and the step's setup with
     them (no sequence-parallel prefill: the rollout mesh has no `seq` axis)."""

@@ -44,7 +44,7 @@ import jax
 import numpy as np
 
 from lrl import checkpoint as ckpt_lib
-from lrl import collect, compiles, grpo, tasks
+from lrl import collect, compiles, grpo, step_setup, tasks
 from lrl import mesh as mesh_lib
 from lrl.models import params as params_lib
 from lrl.rollout import weights as weights_lib
@@ -97,8 +97,8 @@ class Batch:
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """What a pipelined step uses, built once where the loop is built."""
-    train: collect.Setup           # the update's programs, on the training mesh
-    rollout: collect.Setup         # the same, with the rollout mesh and its engine
+    train: step_setup.Setup           # the update's programs, on the training mesh
+    rollout: step_setup.Setup         # the same, with the rollout mesh and its engine
     handover: Handover
 
 

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from lrl import collect, config_util, grpo, loop, models, options
+from lrl import collect, config_util, grpo, loop, models, options, step_setup
 from lrl import mesh as mesh_lib
 from lrl.rewards import register
 from lrl.rollout import sp_prefill
@@ -87,7 +87,7 @@ def test_text_prompts_above_sp_min_tokens_prefill_over_seq(monkeypatch):
                                 partial_tokens=0, partial_tail=0.0, partial_seconds=0.0,
                                 max_staleness=2,
                                 partial_keep_kv=True)
-    setup = collect.Setup(rl=rl, rollout=ro, seed=0, task=None, tokenizer=None, model_cfg=cfg,
+    setup = step_setup.Setup(rl=rl, rollout=ro, seed=0, task=None, tokenizer=None, model_cfg=cfg,
                           mesh=mesh, eos_ids=(), pool=None, update=None, logprobs=None, shards=4,
                           row_len=128, rows_per_shard=1, max_segments=64)
     sharded_lengths = []
@@ -148,7 +148,7 @@ def _mismatch_setup(rows_per_shard=1, **rl_kw):
                                 partial_tokens=0, partial_tail=0.0, partial_seconds=0.0,
                                 max_staleness=2,
                                 partial_keep_kv=True)
-    return collect.Setup(rl=rl, rollout=ro, seed=5, task=_TextRows(), tokenizer=None,
+    return step_setup.Setup(rl=rl, rollout=ro, seed=5, task=_TextRows(), tokenizer=None,
                          model_cfg=TINY, mesh=None, eos_ids=(), pool=None, update=None,
                          logprobs=upd.make_logprobs_fn(TINY, chunk=16), shards=1, row_len=32,
                          rows_per_shard=rows_per_shard, max_segments=8)

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from lrl import collect, compiles, config_util, loop, models, options, rollout
+from lrl import collect, compiles, config_util, loop, models, options, rollout, step_setup
 from lrl.rollout import partial
 from lrl.tasks import Prompt
 
@@ -41,7 +41,7 @@ def _setup(max_slots=4, partial_tokens=50, max_staleness=2, prompts_per_step=3,
                                 partial_tail=partial_tail, partial_seconds=partial_seconds,
                                 max_staleness=max_staleness,
                                 partial_keep_kv=True)
-    return collect.Setup(rl=rl, rollout=ro, seed=0, task=None, tokenizer=None, model_cfg=TINY,
+    return step_setup.Setup(rl=rl, rollout=ro, seed=0, task=None, tokenizer=None, model_cfg=TINY,
                          mesh=None, eos_ids=(), pool=None, update=None, logprobs=None, shards=1,
                          row_len=64, rows_per_shard=1, max_segments=8)
 

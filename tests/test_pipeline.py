@@ -158,8 +158,11 @@ def test_pipelined_steps_equal_a_synchronous_run_on_weights_one_step_old(
     for a, b in zip(ref_rows, rows):
         for k in ("reward/mean", "response/length_mean", "loss"):
             np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    # Adam divides by the gradients' scale, so where they are near zero the split mesh's and
+    # the one mesh's summation orders show in the weights: 4.3e-6 on one CPU, under 1e-6 on
+    # another. The lag this test is about moves them by more than 1e-4 (below).
     for t in (1, 2, 3):
-        _close(_params(ref, step=t), w[t], rtol=1e-4, atol=1e-6)
+        _close(_params(ref, step=t), w[t], rtol=1e-4, atol=1e-5)
     # ... which is not the synchronous run: the steps moved the weights the lag is over.
     moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                 for a, b in zip(jax.tree.leaves(w[1]), jax.tree.leaves(handed[1])))
