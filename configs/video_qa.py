@@ -23,7 +23,8 @@ own (`tokenizer.path` overrides it).
 On 8 GPUs the default mesh is fsdp=2 x seq=4 with ring attention: every packed row of the
 update and every prompt of the rollout prefill is split over the 4 seq shards (Long-RL's
 MR-SP stage 2), the vision tower splits each video's frames over all 8 devices, and the
-text parameters and optimizer state are sharded over all 8 (fsdp x seq).
+text parameters and optimizer state are sharded over all 8 (fsdp x seq). The update's rows
+hold each group's prompt once, before its 8 answers (`rl.shared_prompt="auto"`).
 
 Small variant (a tiny random policy, a tokenizer trained on the jsonl's text; CPU):
 
@@ -55,7 +56,12 @@ def get_config(arg: str | None = None):
     # 64 frames -> 32 temporal patches of at most 256 tokens: up to 8192 visual tokens a prompt.
     c.rl.update(steps=200, prompts_per_step=16, group_size=8, max_new_tokens=2048,
                 temperature=1.0, estimator="grpo", epochs=1, minibatches=2, row_len=16384,
-                max_tokens_per_micro=16384, overlong="penalty", overlong_buffer=512, overlong_penalty=1.0)
+                max_tokens_per_micro=16384, overlong="penalty", overlong_buffer=512,
+                overlong_penalty=1.0,
+                # A group's video prompt (thousands of tokens) held once per update row, not
+                # G times, where it is longer than the group's mean answer (multiple choice:
+                # nearly always): lrl.data.shared_prompt. Exact: the same loss and gradients.
+                shared_prompt="auto")
     c.rl.loss.update(clip_low=0.2, clip_high=0.28, aggregation="token_mean", kl_coef=0.0)
     c.optim.update(lr=1e-6, warmup_steps=10, weight_decay=0.0, b1=0.9, b2=0.999, clip_norm=1.0)
     c.reward.update(spec="choice:1.0", num_workers=8, timeout_s=10.0)

@@ -213,7 +213,7 @@ def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
     if rl_.old_logp == "trainer" or kl or rl_.mismatch_fraction > 0:
         logp_fn = update_lib.make_logprobs_fn(task.model_cfg, mesh, **kw)
     prefill = None
-    if opts.model.attention != "dense" and mesh.shape["seq"] > 1 and r.rollout_mesh is None:
+    if _sequence_parallel_prefill(r, mesh):
         prefill = sp_prefill.make_prefill(mesh, opts.rollout.sp_min_tokens)
     return step_setup.Setup(
         rl=rl_, rollout=opts.rollout, seed=opts.seed, task=task, tokenizer=task.tokenizer,
@@ -238,6 +238,13 @@ def build_pipeline(r: Run, s: step_setup.Setup, state) -> pipeline_lib.Pipeline:
     roll = dataclasses.replace(s, mesh=r.rollout_mesh, engine=engine, decode=decode,
                                prefill=None)
     return pipeline_lib.Pipeline(s, roll, hand)
+
+
+def _sequence_parallel_prefill(r: Run, mesh) -> bool:
+    """Whether the rollout on `mesh` prefills long prompts sequence-parallel (ring or Ulysses
+    over seq > 1, `lrl.rollout.sp_prefill`) rather than by the engine's own prefill."""
+    return (r.opts.model.attention != "dense" and mesh.shape["seq"] > 1
+            and r.rollout_mesh is None)
 
 
 def _engine(r: Run, params, mesh, reserve: int = 0):
@@ -276,16 +283,21 @@ def _engine(r: Run, params, mesh, reserve: int = 0):
         num_pages=num_pages, page_size=ps, prefill_tokens=ro.prefill_tokens,
         resumed_prompts=ro.partial, eos_ids=r.eos_ids,
         sampling=rollout_lib.SamplingParams(rl_.temperature, rl_.top_k, rl_.top_p),
-        narrow_widths=None if ro.narrow_decode else ())
+        narrow_widths=None if ro.narrow_decode else (),
+        # Long prompts in one whole-prompt call, unless sp_prefill takes them.
+        whole_prefill=not _sequence_parallel_prefill(r, mesh))
     engine = rollout_lib.Engine(cfg, ecfg, mesh)
-    engine.keep_state(engine.compile_prefill(decode.params, engine.take_state()))
+    engine.keep_state(engine.compile_prefill(decode.params, engine.take_state(),
+                                             multimodal=r.task.multimodal))
     tail = (f", tail decode calls of {'/'.join(map(str, ecfg.narrow_widths))} rows"
             if ecfg.narrow_widths else "")
     narrow = (f" (or {ecfg.prefill_narrow_rows} x {ecfg.prefill_chunk})"
               if ecfg.prefill_narrow_rows else "")
+    whole = (f", longer prompts whole in calls of 1 x {'/'.join(map(str, ecfg.prefill_lengths))}"
+             if ecfg.prefill_lengths else "")
     r.writer.note(f"rollout engine: {ro.max_slots} slots, a pool of {num_pages * ps} tokens "
                   f"({num_pages} pages of {ps}), prefill calls of {ecfg.rows_per_prefill} x "
-                  f"{ecfg.prefill_chunk} tokens{narrow}{tail}")
+                  f"{ecfg.prefill_chunk} tokens{narrow}{whole}{tail}")
     return engine, decode
 
 

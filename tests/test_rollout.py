@@ -15,10 +15,11 @@ from lrl.rollout.engine import Engine, EngineConfig
 from tests.hf_util import make_hf_model
 from tests.test_pages import _np_filtered_logp
 
-# Small pages, chunks and blocks so that prompts cross pages, a prompt is chunked, attention
-# loops over several page blocks and more samples wait than there are slots.
+# Small pages, chunks and blocks so that prompts cross pages, a prompt is chunked (not one
+# whole-prompt call: `test_whole_prompt_prefill_writes_what_chunks_write` compares the two),
+# attention loops over several page blocks and more samples wait than there are slots.
 SMALL = dict(page_size=4, prefill_chunk=8, steps_per_call=4, prefill_block_pages=2,
-             decode_block_pages=2)
+             decode_block_pages=2, whole_prefill=False)
 
 
 @pytest.fixture(scope="module")

@@ -59,12 +59,14 @@ def test_rollout_of_a_video_prompt_matches_the_forward():
                             prompt_positions=[pos])
     (toks, logps), (toks2, _) = outs[0]
     np.testing.assert_array_equal(toks, toks2)
-    # A prompt longer than one prefill chunk: later chunks attend to the pages already written.
-    chunked = rollout.generate(text, tp, [prompt], max_new_tokens=new, temperature=0.0,
-                               page_size=4, prefill_chunk=4, prompt_embeds=[embeds],
-                               prompt_positions=[pos])[0][0]
-    np.testing.assert_array_equal(chunked[0], toks)
-    np.testing.assert_allclose(chunked[1], logps, atol=1e-5)
+    # A prompt longer than one prefill chunk: later chunks attend to the pages already
+    # written, or (whole_prefill) the whole prompt goes in one call.
+    for whole in (False, True):
+        chunked = rollout.generate(text, tp, [prompt], max_new_tokens=new, temperature=0.0,
+                                   page_size=4, prefill_chunk=4, whole_prefill=whole,
+                                   prompt_embeds=[embeds], prompt_positions=[pos])[0][0]
+        np.testing.assert_array_equal(chunked[0], toks)
+        np.testing.assert_allclose(chunked[1], logps, atol=1e-5)
     assert len(set(toks.tolist())) > 1
     full = np.concatenate([prompt, toks])
     full_pos = vl.extend_positions(pos, delta, len(full))

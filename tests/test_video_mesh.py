@@ -207,4 +207,5 @@ def test_video_qa_config_reports_missing_videos_and_bad_rows(tmp_path, caplog):
     assert str(clips / "missing.mp4") in caplog.text and f"{data}:5" in caplog.text
     assert str(clips / "broken.mp4") in caplog.text
     assert m["video/skipped"] == 1 and m["video/decoded"] == 2 and np.isfinite(m["loss"])
+    assert m["pack/shared_frac"] == 1.0   # rl.shared_prompt="auto": video prompts, short answers
     assert abs(m["kl"]) < 1e-6     # the reference is the policy this (first) step updates

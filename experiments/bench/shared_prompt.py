@@ -134,8 +134,9 @@ def group(cfg, vl_cfg, P: int, G: int, A: int, tokens_per_frame: int, seed: int 
     return [p] * G, comps, rng.standard_normal(G).astype(np.float32), old
 
 
-def rows(mode: str, vl_cfg, prompts, comps, adv, old):
-    """The group packed as `lrl.grpo.pack` packs it -> (host micro-batches, layout)."""
+def rows(mode: str, vl_cfg, prompts, comps, adv, old, align: int = ALIGN):
+    """The group packed as `lrl.grpo.pack` packs it, in rows of a multiple of `align` tokens
+    -> (host micro-batches of one row, layout). A group of one answer shares nothing."""
     import numpy as np
     from lrl.data import packing
     from lrl.data import shared_prompt as sp
@@ -144,13 +145,14 @@ def rows(mode: str, vl_cfg, prompts, comps, adv, old):
     ids = [p.ids for p in prompts]
     kw = dict(seq_values={"advantages": adv}, token_values={"old_logp": old})
     if mode == "unshared":
-        batch, layout = packing.pack(ids, comps, _round_up(P + A), fit="best", **kw)
+        batch, layout = packing.pack(ids, comps, _round_up(P + A, align), fit="best", **kw)
     else:
         g = np.zeros(G, np.int64)
         share = sp.share_groups(g, [P] * G, [A] * G, "on")
-        batch, layout = sp.pack_groups(ids, comps, _round_up(P - 1 + G * (A + 1)), groups=g,
-                                       share=share, **kw)
-        assert layout["shared"].all(), "the group was not shared"
+        n = P - 1 + G * (A + 1) if G > 1 else P + A
+        batch, layout = sp.pack_groups(ids, comps, _round_up(n, align), groups=g, share=share,
+                                       **kw)
+        assert layout["shared"].all() or G == 1, "the group was not shared"
     if vl_cfg is not None:
         batch = video.add_visual_rows(vl_cfg, batch, layout, prompts, [0] * G)
     return packing.micro_batches(batch, packing.Cut(1, 1, (batch["tokens"].shape[1],))), layout

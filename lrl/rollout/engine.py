@@ -7,8 +7,9 @@ use) lives in the `Engine` object here, in plain Python and numpy.
 
 How a prompt of T tokens becomes G samples:
 - `prefill` writes the KV of its first T - 1 tokens into fresh pages, in calls of one shape
-  [R, C]: short prompts share rows, a longer one goes in chunks of C that attend to the pages
-  already written (`run_prefill`). The last prompt
+  [R, C]: short prompts share rows; a longer one goes in one whole-prompt call [1, L] (L one
+  of a few lengths, `EngineConfig.prefill_lengths`), or, longer than those, in chunks of C
+  that attend to the pages already written (`run_prefill`). The last prompt
   token is left for the first decode step, so every sampled token, the first included, comes
   out of the same decode step with its log-prob.
 - `insert` gives each of the G slots the prompt's full pages (shared, reference counted), its
@@ -261,14 +262,16 @@ class Engine:
         return row
 
     def run_prefill(self, params, state: DecodeState, prefixes) -> DecodeState:
-        """Fills the pages of `prefixes`: the first C tokens of every prompt packed first-fit
-        into rows of C, each attending to itself (`prefill_packed`); then, for prompts longer
+        """Fills the pages of `prefixes`: a prompt longer than C that one of
+        `prefill_lengths` holds in a whole-prompt call of its own, [1, L] (`prefill_packed`
+        over the whole prompt); the first C tokens of every other prompt packed first-fit
+        into rows of C, each attending to itself (`prefill_packed`); then, for those longer
         than C, chunk after chunk of C tokens, one prompt a row, attending to the pages
         already written (`prefill_chunk`). Multimodal prompts (embeddings in, not ids) go in
         calls of their own. With `prefill_rows` set (an engine built for a run,
-        `engine_config`) every call is [prefill_rows, prefill_chunk], so no mix of prompt
-        lengths compiles anew; without it a call is sized to its prompts (C a power of two up
-        to prefill_chunk, R a power of two within prefill_batch_tokens)."""
+        `engine_config`) every packed call is [prefill_rows, prefill_chunk], so no mix of
+        prompt lengths compiles anew; without it a call is sized to its prompts (C a power of
+        two up to prefill_chunk, R a power of two within prefill_batch_tokens)."""
         kp, vp = state.k_pages, state.v_pages
         todo = [p for p in prefixes if p.cached > 0]
         e = self.ecfg
@@ -278,6 +281,14 @@ class Engine:
                 continue
             C = e.prefill_chunk if e.prefill_rows else min(
                 e.prefill_chunk, max(16, 1 << (max(p.cached for p in group) - 1).bit_length()))
+            whole = [(p, e.whole_length(p.cached)) for p in group if p.cached > C]
+            whole = [(p, L) for p, L in whole if L is not None]
+            for pre, L in whole:
+                kp, vp = self._packed_call(params, kp, vp, [[pre]], 1, L, multimodal)
+            taken = {id(p) for p, _ in whole}
+            group = [p for p in group if id(p) not in taken]
+            if not group:
+                continue
             rows = _first_fit(group, C)
             R = self._rows(C, len(rows), narrow=not multimodal)
             for part in _batches(rows, R):
@@ -297,14 +308,19 @@ class Engine:
             return e.prefill_rows
         return max(1, min(e.prefill_batch_tokens // C, 1 << max(0, needed - 1).bit_length()))
 
-    def compile_prefill(self, params, state: DecodeState) -> DecodeState:
+    def compile_prefill(self, params, state: DecodeState, multimodal: bool = False
+                        ) -> DecodeState:
         """Runs the text prefill's fixed shapes once on empty rows (every token written to the
-        null page), so that a run compiles them with its engine, not in whichever step first
-        admits few prompts at a time. -> the state (its real pages untouched)."""
+        null page), and the whole-prompt calls' [1, L] for the run's kind of prompt
+        (`multimodal`: embeddings in), so that a run compiles them with its engine, not in
+        whichever step first admits few prompts at a time, or a longer one. -> the state (its
+        real pages untouched)."""
         e = self.ecfg
         kp, vp = state.k_pages, state.v_pages
         for R in sorted({e.prefill_rows, e.prefill_narrow_rows} - {0}):
             kp, vp = self._packed_call(params, kp, vp, [], R, e.prefill_chunk, False)
+        for L in e.prefill_lengths:
+            kp, vp = self._packed_call(params, kp, vp, [], 1, L, multimodal)
         return state._replace(k_pages=kp, v_pages=vp)
 
     def _packed_call(self, params, kp, vp, rows, R: int, C: int, multimodal: bool):

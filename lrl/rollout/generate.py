@@ -33,6 +33,7 @@ from lrl.rollout.engine import Engine, EngineConfig, k_splits
 from lrl.rollout.pages import num_pages_for_memory, num_pages_for_tokens, pages_for
 from lrl.rollout.paged_kernel import kv_heads_per_program
 from lrl.rollout.sampling import SamplingParams
+from lrl.rollout.steps import whole_prefill_lengths
 
 
 def _check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
@@ -74,7 +75,7 @@ def engine_config(cfg: ModelConfig, *, max_prompt_len: int, max_new_tokens: int,
                   layer_unroll: int = 1, fused_decode: bool = False,
                   sampling_impl: Optional[str] = None,
                   narrow_widths: Optional[Sequence[int]] = None,
-                  resumed_prompts: bool = False) -> EngineConfig:
+                  resumed_prompts: bool = False, whole_prefill: bool = True) -> EngineConfig:
     """An engine's configuration from the sizes it must serve: prompts of at most
     `max_prompt_len` tokens with `max_new_tokens` more, `max_slots` decode rows, a pool of
     `num_pages`. A prefill call is [R, C]: C = `prefill_chunk` (None: the longest prompt's
@@ -86,9 +87,11 @@ def engine_config(cfg: ModelConfig, *, max_prompt_len: int, max_new_tokens: int,
     rollouts), up to `max_prompt_len + max_new_tokens - 1` tokens, and C is sized for that: a
     carried sample in one packed row, not chunk after chunk through the paged path
     (re-prefill was 1.4 s of a 5.5 s step in chunks of 256, BENCHMARKS.md, "Eleventh
-    session")."""
+    session"). `whole_prefill`: a prompt longer than C goes in one whole-prompt call, of one
+    of a few lengths up to `prefill_tokens` (`whole_prefill_lengths`), not chunk after chunk
+    of C through the paged path; False: chunks."""
+    longest = max_prompt_len + (max_new_tokens - 1 if resumed_prompts else 0)
     if prefill_chunk is None:
-        longest = max_prompt_len + (max_new_tokens - 1 if resumed_prompts else 0)
         prefill_chunk = min(4096, max(16, 1 << max(0, longest - 2).bit_length()))
     rows = max(1, prefill_tokens // prefill_chunk)
     if max_prompts is not None:
@@ -100,7 +103,10 @@ def engine_config(cfg: ModelConfig, *, max_prompt_len: int, max_new_tokens: int,
         max_pages_per_slot=pages_for(max_prompt_len + max_new_tokens - 1, page_size),
         prefill_chunk=prefill_chunk, prefill_rows=rows,
         prefill_narrow_rows=rows // 8 if rows >= 8 else 0,
-        prefill_batch_tokens=rows * prefill_chunk, eos_ids=tuple(int(e) for e in eos_ids),
+        prefill_batch_tokens=rows * prefill_chunk,
+        prefill_lengths=(whole_prefill_lengths(prefill_chunk, longest - 1, prefill_tokens)
+                         if whole_prefill else ()),
+        eos_ids=tuple(int(e) for e in eos_ids),
         sampling=sampling, attention_impl=attention_impl,
         decode_block_pages=decode_block_pages, prefill_block_pages=prefill_block_pages,
         layer_unroll=layer_unroll,
@@ -130,7 +136,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
              eos_ids: Sequence[int] = (), seed: int = 0, page_size: int = 16,
              max_slots: Optional[int] = None, pool_tokens: Optional[int] = None,
              pool_fraction: Optional[float] = None, prefill_chunk: Optional[int] = None,
-             prefill_batch_tokens: int = 16384,
+             prefill_batch_tokens: int = 16384, whole_prefill: bool = True,
              steps_per_call: int = 16, attention_impl: Optional[str] = None,
              decode_block_pages: int = 4, prefill_block_pages: Optional[int] = None,
              pallas_k_splits: Optional[int] = None, pallas_warps: int = 4,
@@ -198,7 +204,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     blocks' masses for temperature sampling (EngineConfig.sampling_impl).
     A prefill call is [R, C]: C = `prefill_chunk` tokens a row (None: the longest prompt's, a
     power of two up to 4096), R rows within `prefill_batch_tokens` (and the prompts' count);
-    short prompts share rows, a longer one is prefilled C tokens at a time.
+    short prompts share rows, a longer one goes in one whole-prompt call (`whole_prefill`,
+    `engine_config`), or C tokens at a time.
     `prefill_fn(engine, params, state, prefixes) -> state` replaces `engine.run_prefill`, e.g.
     `lrl.rollout.sp_prefill.make_prefill(mesh)` for long prompts prefilled over `seq`.
     """
@@ -237,7 +244,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             num_pages=_pool_pages(cfg, prompts, max_new_tokens, page_size, B, pool_tokens,
                                   pool_fraction, mesh),
             page_size=page_size, prefill_chunk=prefill_chunk, prefill_tokens=prefill_batch_tokens,
-            max_prompts=P, eos_ids=eos, sampling=sampling, attention_impl=attention_impl,
+            whole_prefill=whole_prefill, max_prompts=P, eos_ids=eos, sampling=sampling,
+            attention_impl=attention_impl,
             decode_block_pages=decode_block_pages, prefill_block_pages=prefill_block_pages,
             layer_unroll=layer_unroll, pallas_k_splits=pallas_k_splits,
             pallas_warps=pallas_warps, pallas_stages=pallas_stages,

@@ -46,6 +46,14 @@ class EngineConfig:
     # prefilled faster in calls of 16,384 tokens than of 4,096 (BENCHMARKS.md, "Fifth
     # session", "Prefill: decode-layout weights and wider calls").
     prefill_batch_tokens: int = 16384
+    # Whole-prompt prefill: a prompt of n cached tokens, n > C, with some L >= n here goes in
+    # one [1, L] `prefill_packed` call (L the smallest such), attention over the whole prompt
+    # at once (cuDNN on GPU), instead of chunk after chunk of C, each of which reads the
+    # earlier chunks' pages through the XLA paged path (5.06 s for a 33K-token video prompt
+    # on one H200 where the update's forward and backward took 4.88: BENCHMARKS.md, "Video
+    # frames (issue 9)"). Sorted, each > prefill_chunk; each length compiles once
+    # (`Engine.compile_prefill`). () or a longer prompt: chunks. `whole_prefill_lengths`.
+    prefill_lengths: tuple[int, ...] = ()
     eos_ids: tuple[int, ...] = ()    # tokens that end a sample (kept in its output)
     sampling: SamplingParams = SamplingParams()
     attention_impl: Optional[str] = None  # None: pallas_gqa on one GPU, else XLA
@@ -86,6 +94,10 @@ class EngineConfig:
         if self.prefill_narrow_rows and not 0 < self.prefill_narrow_rows < self.prefill_rows:
             raise ValueError(f"prefill_narrow_rows must be 0 or in [1, prefill_rows="
                              f"{self.prefill_rows}), got {self.prefill_narrow_rows}")
+        if list(self.prefill_lengths) != sorted(set(self.prefill_lengths)) or any(
+                n <= self.prefill_chunk for n in self.prefill_lengths):
+            raise ValueError(f"prefill_lengths must be increasing and longer than "
+                             f"prefill_chunk={self.prefill_chunk}, got {self.prefill_lengths}")
         if self.prefill_batch_tokens < 1:
             raise ValueError(f"prefill_batch_tokens must be >= 1, got {self.prefill_batch_tokens}")
         if self.page_size < 1 or self.max_slots < 1 or self.max_pages_per_slot < 1:
@@ -112,12 +124,33 @@ class EngineConfig:
         """R of a prefill call [R, C]."""
         return self.prefill_rows or max(1, self.prefill_batch_tokens // self.prefill_chunk)
 
+    def whole_length(self, cached: int):
+        """L of the whole-prompt call for a prompt of `cached` tokens, or None: chunks."""
+        return next((n for n in self.prefill_lengths if n >= cached), None)
+
     @property
     def pages_per_slot(self) -> int:
         """Y, rounded up so that both attention paths tile it exactly."""
         align = int(np.lcm(self.prefill_block_pages,
                            self.decode_block_pages * self.pallas_k_splits))
         return pages_for(self.max_pages_per_slot, align) * align
+
+
+def whole_prefill_lengths(chunk: int, longest: int, max_tokens: int) -> tuple[int, ...]:
+    """`EngineConfig.prefill_lengths` for prompts of up to `longest` cached tokens: 2C, 4C,
+    ... below the longest, then the longest rounded up to min(C, 1024); none above
+    `max_tokens` (a prefill call's token budget, `prefill_tokens`: a whole-prompt call then
+    holds no more tokens, and needs about as much memory, as a full packed call). () when
+    every prompt fits one chunk. A prompt pads to at most twice its tokens: the lengths are
+    few, and each compiles once."""
+    top = min(-(-longest // min(chunk, 1024)) * min(chunk, 1024), max_tokens)
+    if longest <= chunk or top <= chunk:
+        return ()
+    out, n = [], 2 * chunk
+    while n < top:
+        out.append(n)
+        n *= 2
+    return tuple(out) + (top,)
 
 
 class DecodeState(NamedTuple):

@@ -11,9 +11,10 @@ text and what the forward needs besides tokens; the loop and the host step (`lrl
     update_fn = make_update_fn(..., hidden=task.hidden, extra_keys=task.extra_keys)
 
 Every task has: `tokenizer`, `model_cfg` (the text decoder's `ModelConfig`), `hidden` and
-`extra_keys` (see `lrl.rl.update`), `initial_params()`, `prompts(split)`, `eval_batches()`,
-`prepare(params, raw)`, `update_inputs(...)`, and `state()` / `restore(state)` for what it
-keeps across steps (saved in the checkpoint). The text task also builds SFT batches.
+`extra_keys` (see `lrl.rl.update`), `multimodal` (its prompts carry input embeddings: the
+rollout engine compiles its prefill for those), `initial_params()`, `prompts(split)`,
+`eval_batches()`, `prepare(params, raw)`, `update_inputs(...)`, and `state()` /
+`restore(state)` for what it keeps across steps (saved in the checkpoint). The text task also builds SFT batches.
 
 P prompts · G samples per prompt · T positions · D model width.
 """

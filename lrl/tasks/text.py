@@ -19,6 +19,7 @@ from lrl.tasks import Prompt
 
 class TextTask:
     extra_keys = ()
+    multimodal = False   # prompts are token ids (the engine's prefill embeds them)
     hidden = staticmethod(models.batch_hidden_states)
 
     def __init__(self, opts, workdir: str, mesh):

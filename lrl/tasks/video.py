@@ -49,6 +49,7 @@ class VisualRows:
 
 class VideoTask:
     extra_keys = ("visual_index",)
+    multimodal = True    # prompts carry input embeddings (visual rows spliced in)
     hidden = staticmethod(vl.batch_hidden_states)
 
     def __init__(self, opts, workdir: str, mesh):
