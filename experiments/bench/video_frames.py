@@ -209,6 +209,7 @@ def run_row(ctx: dict, frames: int, args) -> dict:
 
     mesh, text, vcfg, c = ctx["mesh"], ctx["text"], ctx["vcfg"], ctx["c"]
     out = {}
+    ctx["stage"] = "vision"
     # Stage 1: the tower on the frames (split over the devices), then a cache hit.
     m = vcfg.spatial_merge_size
     rows, cols = merged_grid(args.tokens_per_frame)
@@ -244,13 +245,16 @@ def run_row(ctx: dict, frames: int, args) -> dict:
     for path in args.prefill:
         if path == "chunked" and ctx["seq"] > 1:
             continue                 # seq=n: the loop prefills long prompts with sp_prefill
+        ctx["stage"] = f"prefill {path}"
         out["prefill"][path] = prefill_row(ctx, path, ids, embeds, pos, args)
     del embeds
 
     # Stage 2 for the update: the G answers in each layout.
     prompt = Prompt(ids, "", {}, "", visual=video.VisualRows(None, n_vis, pos, delta))
-    out["update"] = {lay: update_row(ctx, lay, prompt, table, args, seed=frames)
-                     for lay in args.shared_prompt}
+    out["update"] = {}
+    for lay in args.shared_prompt:
+        ctx["stage"] = f"update {lay}"
+        out["update"][lay] = update_row(ctx, lay, prompt, table, args, seed=frames)
     return out
 
 
@@ -266,11 +270,22 @@ def child(seq: int, frames: list[int], args) -> None:
             text = f"{type(e).__name__}: {e}"
             oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
             print("FAILED " + json.dumps({"frames": f, "why": "OOM" if oom else
-                                          "error: " + text.splitlines()[0][:120]}), flush=True)
+                                          "error: " + text.splitlines()[0][:120],
+                                          "stage": ctx.get("stage"), "memory": _memory(),
+                                          "detail": text[:300]}),
+                  flush=True)
             if oom:
                 sys.exit(3)
             continue
         print("RESULT " + json.dumps({"frames": f, **r}), flush=True)
+
+
+def _memory() -> dict:
+    """GiB in use and at the peak on the first device, where the backend reports them."""
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    return {k: round(stats[k] / 2**30, 1) for k in ("bytes_in_use", "peak_bytes_in_use",
+                                                    "bytes_limit") if k in stats}
 
 
 def device_count(env) -> int:
