@@ -1,7 +1,8 @@
 """What the update's programs ask of a device's memory, as the budget counts it
 (`lrl.rl.update.need_bytes` and `apply_bytes`, compiled and not run): the gradient accumulator
 is kept in the masters' dtype (bf16 masters: 2 bytes a parameter, not an fp32 copy's 4) and is
-donated to `accumulate`, so the program counts it once."""
+donated to `accumulate`, so the program counts it once; the optimizer step's need counts the
+accumulator beside its own temporaries, with the train state donated."""
 import jax
 import jax.numpy as jnp
 import optax
@@ -50,3 +51,9 @@ def test_the_accumulator_is_in_the_masters_dtype_donated_and_counted_once(param_
     assert need == (m.argument_size_in_bytes - _bytes(params) + m.output_size_in_bytes
                     - m.alias_size_in_bytes + m.temp_size_in_bytes)
 
+    state = upd.TrainState(jax.ShapeDtypeStruct((), jnp.int32), params,
+                           jax.eval_shape(tx.init, params))
+    m = u.programs.apply.lower(state, acc).compile().memory_analysis()
+    assert m.alias_size_in_bytes >= _bytes(state) - 4   # the state is updated in place
+    # Beyond the state: at least the accumulator it reads, and what the step adds.
+    assert upd.apply_bytes(u, state, spec) >= _bytes(acc.grads) + m.temp_size_in_bytes

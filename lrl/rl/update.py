@@ -277,6 +277,19 @@ def need_bytes(u: UpdatePrograms, params, mb_spec: dict, extra_spec=None) -> int
     return program_bytes(compiled) - _device_bytes(params)
 
 
+def apply_bytes(u: UpdatePrograms, state: TrainState, mb_spec: dict, extra_spec=None) -> int:
+    """Bytes one device needs to run `apply` beyond the train state it is given (donated,
+    written in place): the accumulator, live from a step's first micro-batch to its optimizer
+    step, and the step's temporaries. The same for every micro-batch shape (`mb_spec` only
+    gives the accumulator's metrics their structure); an update needs the larger of this and
+    `need_bytes`."""
+    from lrl.rl.budget import program_bytes
+    state = jax.tree.map(_abstract, state)
+    acc = _abstract_accumulator(u, state.params, mb_spec, extra_spec)
+    compiled = u.programs.apply.lower(state, acc).compile()
+    return program_bytes(compiled) - _device_bytes(state)
+
+
 _F32 = jax.ShapeDtypeStruct((), jnp.float32)
 _DENOMS = losses.Denominators(_F32, _F32, _F32)
 
