@@ -186,10 +186,19 @@ def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
                  longest=options_lib.longest_sample(opts),
                  unit=sp_prefill.length_unit(opts.model.attention, mesh.shape["seq"]))
 
+    def spec(rows_per_shard, row_len):
+        return grpo.micro_batch_spec(rl_, task, mesh, shards * rows_per_shard, row_len, kl)
+
+    @functools.lru_cache(maxsize=None)   # compiled once: the same accumulator for every shape
+    def apply_need():
+        least = spec(*budget_lib.smallest_shape(**sizes))
+        return update_lib.apply_bytes(update, state, least, task.extra_spec())
+
     @functools.lru_cache(maxsize=None)   # each shape compiled once, whoever asks
     def need(rows_per_shard, row_len):
-        spec = grpo.micro_batch_spec(rl_, task, mesh, shards * rows_per_shard, row_len, kl)
-        return update_lib.need_bytes(update, state.params, spec, task.extra_spec())
+        # The accumulator lives through both programs; the optimizer step may need more.
+        return max(update_lib.need_bytes(update, state.params, spec(rows_per_shard, row_len),
+                                         task.extra_spec()), apply_need())
 
     def available():   # what the update may add to what is live now
         if memory is None:

@@ -4,10 +4,16 @@ Config fields are overridden with `--config.rl.steps=40`; the config is locked, 
 key fails in one line naming the closest field. `--print_config` lists every field with its
 comment; `--help` says the rest. A `--workdir` that holds a checkpoint resumes that run.
 """
-from absl import app, flags
-from ml_collections import config_flags
+import os
 
-from lrl import cli
+# jax's GPU client takes 75% of the device unless told; the loop plans the rollout's pool and
+# the update's micro-batches from what the client may allocate (`lrl.rl.budget.USABLE` of it).
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from lrl import cli  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file (configs/*.py), optionally with ':arg'.",

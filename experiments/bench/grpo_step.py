@@ -43,6 +43,9 @@ import time
 import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# jax's GPU client takes 75% of the device unless told; the loop plans its pool and update
+# from what the client may allocate, so a quarter of an H200 (35 GiB) went unused.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 # This folder's profile.py would shadow the standard library's (torch imports cProfile).
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
@@ -84,7 +87,11 @@ def make_config(a):
     cap = a.cap
     c.rl.update(steps=a.steps, prompts_per_step=a.prompts, group_size=a.group,
                 max_new_tokens=cap, dynamic_sampling=False, overlong="none",
-                recompute_old_logp=a.recompute_old_logp, logprob_chunk=a.chunk,
+                recompute_old_logp=a.recompute_old_logp,
+                # The lm head's chunk holds [C, V] fp32 logits and softmax and their bf16
+                # gradient: at V = 151,936 and C = 8K about 12 GB, that 7B's update cannot spare
+                # beside its state on one H200 (2K: 3 GB); 1.5B was measured at 8K.
+                logprob_chunk=a.chunk or (2048 if shape == "7b" else 8192),
                 row_len=0, max_tokens_per_micro=a.budget)
     c.reward.update(spec="bench_coin:1.0", num_workers=0)
     c.rollout.update(max_slots=a.slots, pool_tokens=0, pool_fraction=a.pool_fraction,
@@ -162,7 +169,8 @@ def main():
     ap.add_argument("--cap", type=int, default=None, help="rl.max_new_tokens")
     ap.add_argument("--slots", type=int, default=256)
     ap.add_argument("--budget", type=int, default=0, help="rl.max_tokens_per_micro (0: derive)")
-    ap.add_argument("--chunk", type=int, default=8192, help="rl.logprob_chunk")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="rl.logprob_chunk (0: 8192, or 2048 for 7B shapes)")
     ap.add_argument("--pool-fraction", type=float, default=0.4)
     ap.add_argument("--prefill-tokens", type=int, default=16384)
     ap.add_argument("--recompute-old-logp", action="store_true")

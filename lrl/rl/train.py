@@ -72,7 +72,7 @@ def _metric_identity(shapes):
 
 
 def _finish(state: TrainState, grads, metrics, tx):
-    """The optimizer step on accumulated fp32 gradients -> (new state, metrics)."""
+    """The optimizer step on the accumulated gradients -> (new state, metrics)."""
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -85,7 +85,10 @@ def _finish(state: TrainState, grads, metrics, tx):
 
 
 def _zero_grads(model_cfg, params, mesh):
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    """The gradient accumulator: zeros in the masters' dtype, as the Adam moments (fp32
+    masters accumulate in fp32; bf16 ones, whose gradients and moments are bf16, in bf16: an
+    fp32 accumulator would be twice their size, 30 GB for a 7B model)."""
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
     if mesh is not None:  # the accumulator lives sharded like the parameters
         zeros = jax.lax.with_sharding_constraint(
             zeros, models.param_shardings(model_cfg, mesh, params))
@@ -99,7 +102,7 @@ def accumulate_and_apply(state: TrainState, batch, micro_loss: Callable, *, mode
 
     The micro-batch losses must already be normalised by the whole batch (token counts taken
     once over all of it), so the sum is the one-big-batch gradient. Gradients are taken with
-    respect to the master params and accumulated in fp32, sharded like the params; metrics
+    respect to the master params and accumulated in their dtype, sharded like them; metrics
     combine by `losses.combine_metrics` (mins, maxes, sums)."""
     if num_micro < 1 or batch["tokens"].shape[0] % num_micro:
         raise ValueError(f"{batch['tokens'].shape[0]} rows do not split into "
@@ -113,7 +116,7 @@ def accumulate_and_apply(state: TrainState, batch, micro_loss: Callable, *, mode
     def body(carry, mb):
         g_acc, m_acc = carry
         (_, m), g = grad_fn(state.params, mb)
-        g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+        g_acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_acc, g)
         return (g_acc, combine_metrics(m_acc, m)), None
 
     (grads, metrics), _ = jax.lax.scan(body, (zeros, _metric_identity(metric_shapes)), micro)
@@ -123,7 +126,7 @@ def accumulate_and_apply(state: TrainState, batch, micro_loss: Callable, *, mode
 # --- Micro-batches driven from the host --------------------------------------------------
 
 class Accumulator(NamedTuple):
-    grads: Any        # fp32, sharded like the parameters
+    grads: Any        # in the masters' dtype, sharded like them
     metrics: dict     # combined by `losses.combine_metrics`
 
 
@@ -164,7 +167,7 @@ class _Start:
 
 def _accumulate(params, acc: Accumulator, mb, *args, micro_loss, mesh):
     (_, m), g = jax.value_and_grad(micro_loss, has_aux=True)(params, mb, *args)
-    grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc.grads, g)
+    grads = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc.grads, g)
     return Accumulator(grads, combine_metrics(acc.metrics, m))
 
 

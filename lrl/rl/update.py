@@ -168,7 +168,7 @@ def update_step(state: TrainState, batch, extra=None, *, model_cfg,
     metrics): the reference form of `make_update_programs`' host-driven step.
 
     Gradients are taken with respect to the master params (the model casts them to
-    cfg.dtype for compute) and accumulated in fp32 over `num_micro` micro-batches.
+    cfg.dtype for compute) and accumulated in their dtype over `num_micro` micro-batches.
     `compute_entropy` adds the (cheap) entropy metric; it is needed when
     loss_cfg.entropy_coef != 0. `fused_head` forms the loss's gradient in the lm head's
     forward pass (`lrl.rl.fused_head`: no logits recomputed) when the ratios are per token;
@@ -267,18 +267,43 @@ def compile_shapes(u: UpdatePrograms, params, micro_batches, denoms, extra=None)
 
 def need_bytes(u: UpdatePrograms, params, mb_spec: dict, extra_spec=None) -> int:
     """Bytes one device needs to run `accumulate` on micro-batches shaped `mb_spec`
-    (ShapeDtypeStructs), beyond the parameters it is given (which are live anyway): compiled,
-    not run (`lrl.rl.budget`)."""
+    (ShapeDtypeStructs), beyond the parameters it is given (which are live anyway): the
+    accumulator (donated, so counted once) and the program's temporaries; compiled, not run
+    (`lrl.rl.budget`)."""
     from lrl.rl.budget import program_bytes
-    abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,  # noqa: E731
-                                              sharding=getattr(x, "sharding", None))
-    params = jax.tree.map(abstract, params)
-    f32 = jax.ShapeDtypeStruct((), jnp.float32)
-    denoms = losses.Denominators(f32, f32, f32)
-    acc = jax.eval_shape(u.programs.start, params, mb_spec, denoms, extra_spec)
-    compiled = u.programs.accumulate.lower(params, acc, mb_spec, denoms, extra_spec).compile()
-    param_bytes = sum(x.size * x.dtype.itemsize // _shards(x) for x in jax.tree.leaves(params))
-    return program_bytes(compiled) - param_bytes
+    params = jax.tree.map(_abstract, params)
+    acc = _abstract_accumulator(u, params, mb_spec, extra_spec)
+    compiled = u.programs.accumulate.lower(params, acc, mb_spec, _DENOMS, extra_spec).compile()
+    return program_bytes(compiled) - _device_bytes(params)
+
+
+def apply_bytes(u: UpdatePrograms, state: TrainState, mb_spec: dict, extra_spec=None) -> int:
+    """Bytes one device needs to run `apply` beyond the train state it is given (donated,
+    written in place): the accumulator, live from a step's first micro-batch to its optimizer
+    step, and the step's temporaries. The same for every micro-batch shape (`mb_spec` only
+    gives the accumulator's metrics their structure); an update needs the larger of this and
+    `need_bytes`."""
+    from lrl.rl.budget import program_bytes
+    state = jax.tree.map(_abstract, state)
+    acc = _abstract_accumulator(u, state.params, mb_spec, extra_spec)
+    compiled = u.programs.apply.lower(state, acc).compile()
+    return program_bytes(compiled) - _device_bytes(state)
+
+
+_F32 = jax.ShapeDtypeStruct((), jnp.float32)
+_DENOMS = losses.Denominators(_F32, _F32, _F32)
+
+
+def _abstract(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def _abstract_accumulator(u: UpdatePrograms, params, mb_spec, extra_spec):
+    return jax.eval_shape(u.programs.start, params, mb_spec, _DENOMS, extra_spec)
+
+
+def _device_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize // _shards(x) for x in jax.tree.leaves(tree))
 
 
 def _shards(x) -> int:

@@ -1,0 +1,59 @@
+"""What the update's programs ask of a device's memory, as the budget counts it
+(`lrl.rl.update.need_bytes` and `apply_bytes`, compiled and not run): the gradient accumulator
+is kept in the masters' dtype (bf16 masters: 2 bytes a parameter, not an fp32 copy's 4) and is
+donated to `accumulate`, so the program counts it once; the optimizer step's need counts the
+accumulator beside its own temporaries, with the train state donated."""
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from lrl import models
+from lrl.rl import update as upd
+from lrl.rl.losses import LossConfig
+
+T = 64
+
+
+def _cfg(param_dtype):
+    return models.ModelConfig(model_type="qwen2", vocab_size=256, d_model=64, n_layers=2,
+                              n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=128, qkv_bias=True,
+                              remat="full", dtype=jnp.bfloat16, param_dtype=param_dtype)
+
+
+def _spec():
+    ints = {k: jax.ShapeDtypeStruct((1, T), jnp.int32)
+            for k in ("tokens", "positions", "segment_ids", "targets")}
+    return {**ints, **{k: jax.ShapeDtypeStruct((1, T), jnp.float32)
+                       for k in ("loss_mask", "advantages", "old_logp")}}
+
+
+def _bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float32])
+def test_the_accumulator_is_in_the_masters_dtype_donated_and_counted_once(param_dtype):
+    cfg, tx = _cfg(param_dtype), optax.adam(1e-3)
+    u = upd.make_update_programs(cfg, LossConfig(aggregation="token_mean", max_len=T), tx)
+    params, spec = models.abstract_params(cfg), _spec()
+    acc = upd._abstract_accumulator(u, params, spec, None)
+    assert {x.dtype for x in jax.tree.leaves(acc.grads)} == {jnp.dtype(param_dtype)}
+    assert _bytes(acc.grads) == _bytes(params)
+    m = u.programs.accumulate.lower(params, acc, spec, upd._DENOMS, None).compile(
+    ).memory_analysis()
+    # In: the params, the accumulator, the micro-batch and the scalar denominators (those
+    # the loss reads); the accumulator comes back in its own buffers.
+    inputs = _bytes(params) + _bytes(acc) + _bytes(spec)
+    assert inputs <= m.argument_size_in_bytes <= inputs + 12
+    assert m.alias_size_in_bytes >= _bytes(acc.grads)
+    need = upd.need_bytes(u, params, spec)
+    assert need == (m.argument_size_in_bytes - _bytes(params) + m.output_size_in_bytes
+                    - m.alias_size_in_bytes + m.temp_size_in_bytes)
+
+    state = upd.TrainState(jax.ShapeDtypeStruct((), jnp.int32), params,
+                           jax.eval_shape(tx.init, params))
+    m = u.programs.apply.lower(state, acc).compile().memory_analysis()
+    assert m.alias_size_in_bytes >= _bytes(state) - 4   # the state is updated in place
+    # Beyond the state: at least the accumulator it reads, and what the step adds.
+    assert upd.apply_bytes(u, state, spec) >= _bytes(acc.grads) + m.temp_size_in_bytes
