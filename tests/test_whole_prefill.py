@@ -7,17 +7,12 @@ import numpy as np
 import pytest
 
 from lrl import models
-from lrl.models import vision, vl
+from lrl.models import vl
 from lrl.rollout import Engine, EngineConfig, SamplingParams, engine_config
 from lrl.rollout import steps
 from lrl.rollout.steps import whole_prefill_lengths
+from tests.test_video_mesh import GRID, TEXT, VL   # the tiny VL policy and its video grid
 
-TEXT = models.ModelConfig(model_type="qwen2", vocab_size=160, d_model=32, n_layers=2, n_heads=4,
-                          n_kv_heads=2, head_dim=8, mlp_dim=64, qkv_bias=True,
-                          mrope_section=(1, 1, 2), remat="none")
-VL = vl.VLConfig(TEXT, vision.VisionConfig(depth=1, out_hidden_size=32), image_token_id=150,
-                 video_token_id=151, vision_start_token_id=152, vision_end_token_id=153)
-GRID = (2, 4, 4)   # 8 visual tokens
 SIZES = dict(page_size=4, num_pages=96, max_slots=4, max_pages_per_slot=16, prefill_chunk=8,
              prefill_block_pages=2, decode_block_pages=2, sampling=SamplingParams(0.0))
 

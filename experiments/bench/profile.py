@@ -301,5 +301,17 @@ def main():
     print(summarize(os.path.join(a.out, "trace"), hlo, a.top, module=module, steps=steps))
 
 
+def sibling(name: str):
+    """A sibling benchmark module of this folder, loaded by path: the folder itself never goes
+    on sys.path, where this profile.py would shadow the standard library's."""
+    import importlib.util
+    import pathlib
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).with_name(
+        f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 if __name__ == "__main__":
     main()

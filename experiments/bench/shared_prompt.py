@@ -55,7 +55,6 @@ H head dim · T positions in a row.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
@@ -71,13 +70,8 @@ QUESTION = 32                  # text tokens after a video prompt's visual token
 
 
 def _bench(name: str):
-    """A sibling benchmark module, by path (this folder's profile.py would shadow the
-    standard library's if the folder went on sys.path)."""
-    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).with_name(
-        f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from experiments.bench.profile import sibling
+    return sibling(name)
 
 
 def model(vl7b: bool, tiny: bool, remat: str):

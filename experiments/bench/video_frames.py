@@ -120,14 +120,8 @@ def setup(seq: int, args) -> dict:
 
 
 def _bench(name: str):
-    """A sibling benchmark module, by path (this folder's profile.py would shadow the
-    standard library's if the folder went on sys.path)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).with_name(
-        f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from experiments.bench.profile import sibling
+    return sibling(name)
 
 
 def prefill_row(ctx: dict, path: str, ids, embeds, pos, args) -> dict:
