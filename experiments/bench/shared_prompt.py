@@ -65,13 +65,11 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run from anywhere
+from experiments.bench.profile import sibling  # noqa: E402
 ALIGN = 128                    # row lengths: a multiple of the kernels' tiles
 QUESTION = 32                  # text tokens after a video prompt's visual tokens
 
 
-def _bench(name: str):
-    from experiments.bench.profile import sibling
-    return sibling(name)
 
 
 def model(vl7b: bool, tiny: bool, remat: str):
@@ -81,14 +79,14 @@ def model(vl7b: bool, tiny: bool, remat: str):
     from lrl.models import vl
     from lrl.rl import optim
     if vl7b:
-        text, vcfg = _bench("video_frames").configs(tiny)
+        text, vcfg = sibling("video_frames").configs(tiny)
         text = text.replace(remat="none" if tiny else remat, attention="dense")
         c = vl.VLConfig(text, vcfg, image_token_id=text.vocab_size - 4,
                         video_token_id=text.vocab_size - 3,
                         vision_start_token_id=text.vocab_size - 2,
                         vision_end_token_id=text.vocab_size - 1)
         return text, c, optax.sgd(1e-6)
-    ts = _bench("train_step")
+    ts = sibling("train_step")
     make = ts.tiny if tiny else ts.qwen25_15b
     text = make(dtype=jnp.float32 if tiny else jnp.bfloat16, param_dtype=jnp.float32,
                 remat="none" if tiny else remat, attention="dense")
@@ -111,7 +109,7 @@ def group(cfg, vl_cfg, P: int, G: int, A: int, tokens_per_frame: int, seed: int 
         p = Prompt(rng.integers(0, text_vocab, P).astype(np.int32), "", {}, "")
     else:
         m = vl_cfg.vision.spatial_merge_size
-        r, c = _bench("video_frames").merged_grid(tokens_per_frame)
+        r, c = sibling("video_frames").merged_grid(tokens_per_frame)
         t = max(1, (P - 2 - QUESTION) // tokens_per_frame)
         grid = (t, r * m, c * m)                 # in patches, as the processor reports it
         n = vl_cfg.tokens_per_item(grid)

@@ -59,6 +59,7 @@ import threading
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # run from anywhere
+from experiments.bench.profile import sibling  # noqa: E402
 
 
 def configs(small: bool):
@@ -119,9 +120,6 @@ def setup(seq: int, args) -> dict:
                     hidden=vl.batch_hidden_states, extra_keys=("visual_index",)))
 
 
-def _bench(name: str):
-    from experiments.bench.profile import sibling
-    return sibling(name)
 
 
 def prefill_row(ctx: dict, path: str, ids, embeds, pos, args) -> dict:
@@ -169,7 +167,7 @@ def update_row(ctx: dict, layout: str, prompt, table, args, seed: int) -> dict:
     adv = rng.standard_normal(G).astype(np.float32)
     # Old log-probs near a random policy's: the ratios, and the loss, depend on the forward.
     old = [rng.normal(-np.log(text.vocab_size), 0.1, A).astype(np.float32) for _ in range(G)]
-    micro, _ = _bench("shared_prompt").rows("unshared" if layout == "off" else "shared",
+    micro, _ = sibling("shared_prompt").rows("unshared" if layout == "off" else "shared",
                                             ctx["c"], [prompt] * G, comps, adv, old,
                                             align=2 * ctx["seq"] * 128)
     denoms = update_lib.host_denominators(micro, A)
