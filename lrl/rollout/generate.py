@@ -296,6 +296,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         # Only transfers here: a jax op on `out` would queue behind the call in flight.
         tokens, logps, valid, active = jax.device_get(
             (out.tokens, out.logps, out.valid, out.active))
+        t_got = time.perf_counter()
         tokens, logps, valid = tokens.T, logps.T, valid.T
         done = []
         for s in range(B):
@@ -326,6 +327,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         if done:
             state = engine.free(state, done)
             free_slots.extend(done)
+        st["host_collect_s"] += time.perf_counter() - t_got
         return state
 
     def preempt(state, s):
@@ -384,6 +386,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         # Admission: fill free slots from the waiting samples while pages allow (keeping
         # what the live slots need to grow through the next two calls).
         new_prefixes, plans, finished_prefixes = [], [], []
+        t_admit = time.perf_counter()
         keep = sum(engine.pages_short(s, done_len[s] + 2 * steps_per_call + 1)
                    for s in admitted) if grow else 0
         while free_slots and (redo or queue):
@@ -436,6 +439,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             if last and p in open_prefix:
                 finished_prefixes.append(open_prefix.pop(p))
         st["peak_pages"] = max(st["peak_pages"], engine.pool.num_used)
+        st["host_admit_s"] += time.perf_counter() - t_admit
         if new_prefixes:
             t0 = time.perf_counter()
             # Prefill reads the decode layout too: no layer sliced out of a stack per call,
@@ -459,8 +463,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             ahead = steps_per_call * (2 if in_flight is not None else 1)
             want = {s: min(done_len[s] + ahead, len(prompts[owner[s][0]]) - 1 + limit[s])
                     for s in admitted}
-            reclaim(sum(engine.pages_short(s, n) for s, n in want.items()))
-            if sum(engine.pages_short(s, n) for s, n in want.items()) > engine.pool.num_free:
+            short = sum(engine.pages_short(s, n) for s, n in want.items())
+            reclaim(short)
+            if short > engine.pool.num_free:
                 if in_flight is not None:   # preempt only what is collected
                     state, in_flight = collect(state, in_flight), None
                     want = {s: min(done_len[s] + steps_per_call,
@@ -473,6 +478,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             changed = [engine.grow(s, n) for s, n in want.items()]
             if any(changed):
                 state = engine.with_page_table(state)
+        st["host_grow_s"] += time.perf_counter() - t0
         # Decode until a slot may have finished. While samples wait, collect this call at
         # once: its freed slots are refilled before the next call. Once none wait, launch the
         # next call first and collect the previous one while it runs, so the device does not
