@@ -129,11 +129,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.overlong = "none"           # none | mask | penalty (DAPO overlong handling)
     c.rl.overlong_buffer = 8         # penalty ramps over the last N tokens of the limit
     c.rl.overlong_penalty = 1.0
-    c.rl.mismatch_fraction = 0.05    # share of a step's micro-batches the trainer re-scores to
-                                     # measure the sampler-trainer mismatch (mismatch/ metrics;
-                                     # at least one of each micro-batch shape); all of them, at
-                                     # no cost, when old log-probs come from the trainer; 0 = no
-                                     # mismatch metrics
+    c.rl.mismatch_fraction = 1.0     # share of a step's micro-batches whose trainer forward is
+                                     # compared with the sampler's log-probs (mismatch/ metrics):
+                                     # the update's own forward on its first minibatch (the one
+                                     # under the weights that sampled), or the old log-probs'
+                                     # pass (all micro-batches) when it runs; free either way;
+                                     # 0 = no mismatch metrics
     c.rl.shared_prompt = "off"       # off | on | auto: a group's prompt held once per update row
                                      # and computed once, not G times (lrl.data.shared_prompt);
                                      # auto: for groups whose prompt is longer than their mean

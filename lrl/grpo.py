@@ -12,7 +12,8 @@ swapped alone:
 
     collect.collect -> shape_overlong -> advantages -> process_share -> minibatches (pack,
             micro-batches, placed) -> warm_up -> old_and_ref_logps -> mismatch_metrics ->
-            loss_inputs -> updates
+            loss_inputs -> updates (whose first minibatch's forward also measures the
+            sampler-trainer mismatch, unless the old log-probs' trainer forward did)
 
 `step` is `collect.collect` then `learn` (everything from `shape_overlong` on), which the
 one-step-off pipeline (`lrl.pipeline`) calls on a batch it sampled a step ahead.
@@ -112,6 +113,7 @@ class Minibatch:
     tokens: int          # real tokens in this process's micro-batches
     slots: int           # positions computed: rows x length of this process's micro-batches
     shared: int = 0      # samples whose prompt is held once for their group (shared layout)
+    measured: int = 0    # micro-batches whose update forward measures the mismatch
 
 
 def pack(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray,
@@ -174,7 +176,7 @@ def minibatches(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray
     and cut into micro-batches of the run's shapes, placed on the devices. -> (list of
     Minibatch, truncated sample count)."""
     cut = _cut(s)
-    out, truncated = [], 0
+    parts, truncated = [], 0
     for samples in minibatch_samples(groups.P, groups.group_size, s.rl.minibatches,
                                      whole_groups=s.rl.shared_prompt != "off"):
         rows, layout, extra = pack(s, groups, adv_PG, weight, samples)
@@ -183,18 +185,39 @@ def minibatches(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray
         plan = packing.micro_plan(rows, cut)
         if jax.process_count() > 1:
             plan = packing.common_plan(distributed.allgather_objects(plan), cut)
-        micro = packing.micro_batches(rows, cut, plan=plan)
+        parts.append((packing.micro_batches(rows, cut, plan=plan), extra,
+                      int(layout.get("shared", np.zeros(0, bool)).sum())))
+    if s.rl.update_measures_mismatch:
+        _measured_micro_batches(s.rl.mismatch_fraction, [micro for micro, _, _ in parts])
+    out = []
+    for micro, extra, shared in parts:
         denoms = _global_denominators(micro, s.max_len)
         tokens = int(sum((mb["segment_ids"] > 0).sum() for mb in micro))
+        measured = sum(bool(mb["response_pos"].any()) for mb in micro
+                       ) if s.rl.update_measures_mismatch else 0
         out.append(Minibatch([mesh_lib.put_batch(s.mesh, mb) for mb in micro], denoms, extra,
-                             tokens, sum(mb["tokens"].size for mb in micro),
-                             int(layout.get("shared", np.zeros(0, bool)).sum())))
+                             tokens, sum(mb["tokens"].size for mb in micro), shared, measured))
     return out, truncated
+
+
+def _measured_micro_batches(fraction: float, micro_per_minibatch: list[list[dict]]) -> None:
+    """Keeps `response_pos` (what makes the update measure the mismatch, `lrl.rl.update`) in
+    a `fraction` share of the step's micro-batches, rounded up, spread evenly over the first
+    minibatch's, the only ones that run under the weights that sampled (at most all of it),
+    and zeroes it in the rest (in place: these are the host rows before placement). The
+    measure is free there, so the share only bounds it."""
+    first = micro_per_minibatch[0]
+    total = sum(len(m) for m in micro_per_minibatch)
+    n = min(len(first), math.ceil(fraction * total))
+    keep = set(np.linspace(0, len(first) - 1, n).round().astype(int).tolist()) if n else set()
+    for i, mb in enumerate(mb for m in micro_per_minibatch for mb in m):
+        if i not in keep:
+            mb["response_pos"] = np.zeros_like(mb["response_pos"])
 
 
 def warm_up(s: Setup, params, batches: list[Minibatch]) -> None:
     """Runs each micro-batch shape the run may take and has not run yet once, on empty rows
-    (segment 0: no loss, no gradient), through the log-prob passes, the mismatch pass and
+    (segment 0: no loss, no gradient), through the log-prob passes, the mismatch sums and
     the update's accumulation (into an accumulator then dropped: no optimizer step), so that
     every program compiles all its shapes in the run's first step, not in whichever later
     step first needs one. The step's metrics see nothing of it."""
@@ -210,7 +233,7 @@ def warm_up(s: Setup, params, batches: list[Minibatch]) -> None:
     empty = [mesh_lib.put_batch(s.mesh, {k: np.zeros((B,) + x.shape[1:-1] + (T,), x.dtype)
                                          for k, x in b.micro[0].items()}) for B, T in ahead]
     w = old_and_ref_logps(s, params, [dataclasses.replace(b, micro=empty)])
-    mismatch_metrics(s, params, w, 0)
+    mismatch_metrics(s, w)
     compile_shapes(s.update, params, loss_inputs(s, w)[0].micro, b.denoms, b.extra)
 
 
@@ -235,8 +258,11 @@ def micro_batch_spec(s_rl, task, mesh, rows: int, T: int, kl: bool) -> dict:
     keys.update({k: ((rows, T), np.float32) for k in ("loss_mask", "advantages")})
     if s_rl.old_logp != "none":
         keys["old_logp"] = ((rows, T), np.float32)
-    if s_rl.loss.corrects_rollout:
+    if s_rl.loss.corrects_rollout or (s_rl.update_measures_mismatch
+                                      and s_rl.carries_rollout_logp):
         keys["rollout_logp"] = ((rows, T), np.float32)
+    if s_rl.update_measures_mismatch:
+        keys["response_pos"] = ((rows, T), np.float32)
     if s_rl.loss.weighs_staleness:
         keys["sample_age"] = ((rows, T), np.float32)
     if kl:
@@ -285,34 +311,19 @@ _mismatch_sums = jax.jit(lambda trainer_BT, sampler_BT, pos_BT: mismatch.mismatc
     trainer_BT, sampler_BT, pos_BT > 0, pos_BT - 1))
 
 
-def mismatch_metrics(s: Setup, params, batches: list[Minibatch], step_index: int) -> dict:
+def mismatch_metrics(s: Setup, batches: list[Minibatch]) -> dict:
     """The sampler's log-probs against the trainer's for the same tokens, before any update
-    of this step (lrl.rl.mismatch): over every micro-batch when the old log-probs come from a
-    trainer forward, else over a `rl.mismatch_fraction` share of the step's micro-batches,
-    drawn by the seed and step (the same on every process), that a forward pass re-scores:
-    at least one of each micro-batch shape the step has, so that pass compiles a shape in
-    the step whose update first compiles it, never later. With temperature != 1, top-k or
-    top-p the sampler's log-probs are those of the distribution it drew from, so the numbers
-    include that difference too."""
-    if s.rl.mismatch_fraction == 0:
-        return {}
-    micro = [(b, mb) for b in batches for mb in b.micro]
-    if s.rl.old_logp != "trainer":
-        rng = np.random.default_rng([s.seed, step_index])
-        shapes = [mb["tokens"].shape for _, mb in micro]
-        pick = [int(rng.choice([i for i, x in enumerate(shapes) if x == shape]))
-                for shape in sorted(set(shapes))]
-        rest = [i for i in range(len(micro)) if i not in pick]
-        more = math.ceil(s.rl.mismatch_fraction * len(micro)) - len(pick)
-        if more > 0:
-            pick += [int(i) for i in rng.choice(rest, more, replace=False)]
-        micro = [micro[i] for i in sorted(pick)]
+    of this step (lrl.rl.mismatch), where the old log-probs come from a trainer forward: over
+    every micro-batch, from them. Otherwise the update's first minibatch measures it in its
+    own forward (`updates`), and this is empty. With temperature != 1, top-k or top-p the
+    sampler's log-probs are those of the distribution it drew from, so the numbers include
+    that difference too."""
+    if s.rl.mismatch_fraction == 0 or s.rl.old_logp != "trainer":
+        return {}   # none, or the update's forward measures it (`updates`)
+    micro = [mb for b in batches for mb in b.micro]
     t0 = time.time()
-    # Where the sampler's log-probs serve as old log-probs, the rows carry them once.
-    sums = [_mismatch_sums(mb["old_logp"] if s.rl.old_logp == "trainer"
-                           else s.logprobs(params, mb, b.extra),
-                           mb["rollout_logp"] if "rollout_logp" in mb else mb["old_logp"],
-                           mb["response_pos"]) for b, mb in micro]
+    sums = [_mismatch_sums(mb["old_logp"], mb["rollout_logp"], mb["response_pos"])
+            for mb in micro]
     total = None
     for part in jax.device_get(sums):
         total = part if total is None else mismatch.combine_sums(total, part)
@@ -324,19 +335,29 @@ def mismatch_metrics(s: Setup, params, batches: list[Minibatch], step_index: int
 def loss_inputs(s: Setup, batches: list[Minibatch]) -> list[Minibatch]:
     """The micro-batches without the arrays only the metrics read (the update's inputs stay
     those it was compiled for)."""
+    if s.rl.update_measures_mismatch:
+        return batches
     drop = {"response_pos"} | ({"rollout_logp"} if not s.rl.loss.corrects_rollout else set())
     return [dataclasses.replace(b, micro=[{k: v for k, v in mb.items() if k not in drop}
                                           for mb in b.micro]) for b in batches]
 
 
 def updates(s: Setup, state, batches: list[Minibatch]):
-    """epochs x minibatches optimizer steps; the metrics are the last one's."""
-    from lrl.rl.update import run_update
-    metrics = None
+    """epochs x minibatches optimizer steps; the metrics are the last one's, with the
+    mismatch the first one measured in its forward (`rl.update_measures_mismatch`: it alone
+    runs under the weights that sampled)."""
+    from lrl.rl.update import mismatch_of, run_update
+    metrics, sums = None, None
     for _ in range(s.rl.epochs):
         for b in batches:
             state, metrics = run_update(s.update, state, b.micro, b.denoms, b.extra)
-    return state, jax.device_get(metrics)
+            metrics, measured = mismatch_of(metrics)
+            sums = measured if sums is None else sums
+    metrics = jax.device_get(metrics)
+    if sums:
+        metrics.update(mismatch.finalize(jax.device_get(sums)))
+        metrics["mismatch/micro_batches"] = batches[0].measured
+    return state, metrics
 
 
 # ----------------------------------------------------------------------------- one step
@@ -351,12 +372,11 @@ def step(s: Setup, state, it, step_index: int, carry: Optional[tuple] = None):
                                                     carry or ())
     else:
         groups, m = collect.collect(s, state.params, it, step_index)
-    state, m = learn(s, state, groups, m, step_index, before)
+    state, m = learn(s, state, groups, m, before)
     return state, m, groups, carry
 
 
-def learn(s: Setup, state, groups: Groups, m: dict, step_index: int,
-          before: Optional[dict] = None):
+def learn(s: Setup, state, groups: Groups, m: dict, before: Optional[dict] = None):
     """The step's training half on scored `groups` (whoever sampled them: `collect.collect` in
     the same step, or the one-step-off pipeline a step ahead) -> (new state, `m` with the
     update's metrics). `before`: the compile counts the step's count starts from."""
@@ -378,7 +398,7 @@ def learn(s: Setup, state, groups: Groups, m: dict, step_index: int,
     batches = old_and_ref_logps(s, state.params, batches)
     jax.block_until_ready([mb.get("old_logp") for b in batches for mb in b.micro])
     t_logp = time.time() - t0
-    m.update(mismatch_metrics(s, state.params, batches, step_index))
+    m.update(mismatch_metrics(s, batches))
     batches = loss_inputs(s, batches)
     t0 = time.time()
     state, um = updates(s, state, batches)

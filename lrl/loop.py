@@ -219,7 +219,7 @@ def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
             if len(lengths) > 1 else "")
     r.writer.note(f"update micro-batch: {budget.describe()}{tail}")
     logp_fn = None
-    if rl_.old_logp == "trainer" or kl or rl_.mismatch_fraction > 0:
+    if rl_.old_logp == "trainer" or kl:
         logp_fn = update_lib.make_logprobs_fn(task.model_cfg, mesh, **kw)
     prefill = None
     if _sequence_parallel_prefill(r, mesh):

@@ -268,6 +268,13 @@ class RLOptions:
         return "trainer" if self.epochs * self.minibatches > 1 else "none"
 
     @property
+    def update_measures_mismatch(self) -> bool:
+        """The update's own forward measures the mismatch (on its first minibatch, which runs
+        under the weights that sampled); with old log-probs from a trainer forward those give
+        it for every micro-batch instead."""
+        return self.mismatch_fraction > 0 and self.old_logp != "trainer"
+
+    @property
     def carries_rollout_logp(self) -> bool:
         """The update rows carry the sampler's log-probs (`rollout_logp`): for a rollout
         correction, or for the mismatch metrics unless they are the old log-probs already."""

@@ -128,8 +128,7 @@ def step(p: Pipeline, state, it, step_index: int, batch: Optional[Batch], ahead:
     t0 = time.time()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lrl-rollout") as pool:
         future = pool.submit(_timed, sample, p, params, it, step_index + 1, 1) if ahead else None
-        state, m = grpo.learn(p.train, state, batch.groups, dict(batch.metrics), step_index,
-                              before)
+        state, m = grpo.learn(p.train, state, batch.groups, dict(batch.metrics), before)
         update_s = time.time() - t0
         nxt, rollout_s = future.result() if future is not None else (None, 0.0)
     wall_s = time.time() - t0

@@ -36,9 +36,10 @@ def test_ten_steps_of_varied_lengths_compile_each_program_once(tmp_path, monkeyp
     c.data.task_kwargs.kv_retrieval.update(num_pairs=6, min_pairs=1)   # prompts of ~20-90
     c.sft.steps = 0
     # One minibatch a step, so that over 4 shards its last rows need rows of 256 or of 128
-    # as its lengths go; the trainer's old log-probs compile the log-prob pass's shapes.
+    # as its lengths go; two epochs need the trainer's old log-probs, which compile the
+    # log-prob pass's shapes.
     c.rl.update(steps=10, prompts_per_step=4, group_size=4, max_new_tokens=24, row_len=256,
-                max_tokens_per_micro=512, minibatches=1, recompute_old_logp=True,
+                max_tokens_per_micro=512, minibatches=1, epochs=2, recompute_old_logp=True,
                 temperature=0.9)
     c.eval.update(every=5, num_prompts=4, k=2, temperature=0.9)
     c.data.eval_size = 4

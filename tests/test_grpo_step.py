@@ -154,8 +154,22 @@ def _mismatch_setup(rows_per_shard=1, **rl_kw):
                          rows_per_shard=rows_per_shard, max_segments=8)
 
 
-def test_mismatch_metrics_of_a_step_read_the_sampler_log_probs_packed_with_the_tokens():
-    s = _mismatch_setup(rows_per_shard=2, mismatch_fraction=0.25)
+def _update_programs(lr=1.0):
+    import optax
+    from lrl.rl import LossConfig
+    from lrl.rl import update as upd
+    return upd.make_update_programs(TINY, LossConfig(), optax.sgd(lr), chunk=16), optax.sgd(lr)
+
+
+def test_the_update_forward_measures_the_mismatch_of_its_first_minibatch_for_free():
+    """Without a trainer forward for the old log-probs, the update's first minibatch (the one
+    under the weights that sampled) compares its own log-probs with the sampler's, carried in
+    its rows: the numbers a forward pass of their own gives, no log-prob program run, and the
+    loss, metrics and new params those of the update without them."""
+    from lrl.rl import update as upd
+    u, tx = _update_programs()
+    s = dataclasses.replace(_mismatch_setup(rows_per_shard=2, mismatch_fraction=1.0,
+                                            minibatches=1), update=u)
     params = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x,
                           models.init_params(TINY, jax.random.key(1)))
     rng = np.random.RandomState(0)
@@ -164,41 +178,67 @@ def test_mismatch_metrics_of_a_step_read_the_sampler_log_probs_packed_with_the_t
     adv, weight = np.ones((4, 2), np.float32), np.ones(8, np.float32)
     batches, _ = grpo.minibatches(s, groups, adv, weight)
     n_micro = sum(len(b.micro) for b in batches)
-    shapes = {mb["tokens"].shape for b in batches for mb in b.micro}
-    assert n_micro >= 4 and shapes == {(2, 32), (1, 32)}
-    # Plain sampling: the sampler's log-probs are the old ones, carried once.
-    assert s.rl.old_logp == "sampler" and "rollout_logp" not in batches[0].micro[0]
-    assert {"old_logp", "response_pos"} <= set(batches[0].micro[0])
-    # The engine's fp32 log-probs are the trainer's: no mismatch, on a quarter of the
-    # micro-batches (rounded up), at least one of each shape.
-    seen = []
-    monkey = dataclasses.replace(s, logprobs=lambda p, mb, e: seen.append(mb["tokens"].shape)
-                                 or s.logprobs(p, mb, e))
-    m = grpo.mismatch_metrics(monkey, params, batches, step_index=3)
-    assert m["mismatch/micro_batches"] == max(2, -(-n_micro // 4)) == len(seen)
-    assert set(seen) == shapes
-    assert 0 < m["mismatch/tokens"] < 8 * 8 and m["mismatch/abs_max"] < 1e-4
+    assert len(batches) == 1 and n_micro >= 2
+    # Plain sampling: the sampler's log-probs are the old ones, carried once, and no separate
+    # pass measures anything.
+    assert s.rl.old_logp == "sampler" and s.rl.update_measures_mismatch
+    assert "rollout_logp" not in batches[0].micro[0]
+    assert {"old_logp", "response_pos"} <= set(grpo.loss_inputs(s, batches)[0].micro[0])
+    assert grpo.mismatch_metrics(s, batches) == {}
+    host = jax.tree.map(np.asarray, params)
+
+    def state():   # the update donates it
+        return upd.init_train_state(jax.tree.map(jax.numpy.array, host), tx)
+
+    # The engine's fp32 log-probs are the trainer's: no mismatch, over every response token.
+    _, m = grpo.updates(s, state(), batches)
+    assert m["mismatch/micro_batches"] == n_micro and m["mismatch/tokens"] == 8 * 8
+    assert m["mismatch/abs_max"] < 1e-4
     # Sampler log-probs 0.5 below the trainer's: |Δ| = 0.5, k1 = -0.5, k3 = e^.5 - 1.5, no
-    # ratio outside [0.5, 2]; 1.0 below: every ratio e > 2 is outside. All micro-batches.
-    s = dataclasses.replace(s, rl=dataclasses.replace(s.rl, mismatch_fraction=1.0))
+    # ratio outside [0.5, 2]; 1.0 below: every ratio e > 2 is outside.
+    plain = dataclasses.replace(s, rl=dataclasses.replace(s.rl, mismatch_fraction=0.0))
     for shift, outside in ((0.5, 0.0), (1.0, 1.0)):
         low = dataclasses.replace(groups, logps=tuple(lp - shift for lp in groups.logps))
-        m = grpo.mismatch_metrics(s, params, grpo.minibatches(s, low, adv, weight)[0], 3)
-        assert m["mismatch/micro_batches"] == n_micro and m["mismatch/tokens"] == 8 * 8
+        new, m = grpo.updates(s, state(), grpo.minibatches(s, low, adv, weight)[0])
         np.testing.assert_allclose([m["mismatch/abs_mean"], m["mismatch/k1"],
                                     m["mismatch/k3"], m["mismatch/outside_frac"]],
                                    [shift, -shift, np.expm1(shift) - shift, outside],
                                    rtol=1e-4)
         assert m["mismatch/pos_0_256/tokens"] == 64 and "mismatch/pos_256_1k/abs_mean" not in m
-    # The update's inputs lose the metrics' arrays (rollout_logp stays when the loss reads it).
-    assert "response_pos" not in grpo.loss_inputs(s, batches)[0].micro[0]
+        # The same update without the metrics' arrays: equal loss, metrics and params.
+        rows = grpo.minibatches(plain, low, adv, weight)[0]
+        assert "response_pos" not in grpo.loss_inputs(plain, rows)[0].micro[0]
+        ref, mr = grpo.updates(plain, state(), grpo.loss_inputs(plain, rows))
+        assert not any(k.startswith("mismatch/") for k in mr)
+        for k in mr:
+            np.testing.assert_allclose(m[k], mr[k], rtol=1e-6, err_msg=k)
+        for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(ref.params)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    # A quarter of the micro-batches (rounded up), spread over the first minibatch: a part of
+    # the tokens.
+    quarter = dataclasses.replace(s, rl=dataclasses.replace(s.rl, mismatch_fraction=0.25))
+    rows = grpo.minibatches(quarter, groups, adv, weight)[0]
+    assert rows[0].measured == -(-n_micro // 4)
+    _, m = grpo.updates(quarter, state(), rows)
+    assert m["mismatch/micro_batches"] == rows[0].measured and 0 < m["mismatch/tokens"] < 64
+    # Two minibatches: only the first runs under the sampling weights, and it alone measures.
+    two = dataclasses.replace(s, rl=_rl(max_new_tokens=8, minibatches=2, mismatch_fraction=1.0))
+    assert two.rl.old_logp == "sampler"
+    rows = grpo.minibatches(two, groups, adv, weight)[0]
+    assert rows[0].measured == len(rows[0].micro) and rows[1].measured == 0
+    assert not any(np.asarray(mb["response_pos"]).any() for mb in rows[1].micro)
+    _, m = grpo.updates(two, state(), rows)
+    first = sum(int((np.asarray(mb["response_pos"]) > 0).sum()) for mb in rows[0].micro)
+    assert m["mismatch/micro_batches"] == len(rows[0].micro) and m["mismatch/tokens"] == first
+    # Old log-probs from a trainer forward: that pass measures every micro-batch instead, and
+    # the update's inputs lose the metrics' arrays.
     trainer = dataclasses.replace(s, rl=_rl(max_new_tokens=8, recompute_old_logp=True,
                                             minibatches=2, mismatch_fraction=1.0))
     rows = grpo.minibatches(trainer, groups, adv, weight)[0]
-    assert trainer.rl.old_logp == "trainer" and "rollout_logp" in rows[0].micro[0]
+    assert trainer.rl.old_logp == "trainer" and not trainer.rl.update_measures_mismatch
+    assert "rollout_logp" in rows[0].micro[0]
     assert not {"rollout_logp", "response_pos"} & set(grpo.loss_inputs(trainer, rows)[0].micro[0])
-    assert grpo.mismatch_metrics(dataclasses.replace(
-        s, rl=dataclasses.replace(s.rl, mismatch_fraction=0.0)), params, batches, 3) == {}
+    assert grpo.mismatch_metrics(plain, batches) == {}
 
 
 def test_warm_up_compiles_the_shapes_not_run_yet_and_changes_nothing():
@@ -209,7 +249,7 @@ def test_warm_up_compiles_the_shapes_not_run_yet_and_changes_nothing():
     from lrl import compiles
     from lrl.rl import LossConfig
     from lrl.rl import update as upd
-    s = _mismatch_setup(rows_per_shard=2, mismatch_fraction=0.25)
+    s = _mismatch_setup(rows_per_shard=2, recompute_old_logp=True, minibatches=2)
     u = upd.make_update_programs(TINY, LossConfig(), optax.sgd(1.0), chunk=16)
     s = dataclasses.replace(s, update=u, buckets=(16,))
     params = models.init_params(TINY, jax.random.key(1))
@@ -249,7 +289,7 @@ def test_old_log_probs_from_the_trainer_give_the_mismatch_of_every_micro_batch()
                            for b in batches for mb in b.micro])
     assert sorted(set(ages.tolist())) == [0.0, 1.0, 2.0]
     batches = grpo.old_and_ref_logps(s, params, batches)
-    m = grpo.mismatch_metrics(s, params, batches, 0)
+    m = grpo.mismatch_metrics(s, batches)
     assert m["mismatch/micro_batches"] == sum(len(b.micro) for b in batches)
     assert m["mismatch/tokens"] == 6 * 8 and m["mismatch/abs_max"] < 1e-4
     kept = grpo.loss_inputs(s, batches)[0].micro[0]

@@ -59,6 +59,9 @@ def test_grpo_runs_end_to_end_and_writes_what_it_promises(tmp_path):
     assert all(np.isfinite(r["loss"]) and "reward/mean" in r for r in grpo_rows)
     assert "eval/pass@2" in grpo_rows[1] and grpo_rows[0]["reward/n_items"] == 8
     assert out["grpo"]["response/length_mean"] > 0
+    # The update's first minibatch measured the sampler against the trainer, sharded (fp32
+    # both: no mismatch).
+    assert all(r["mismatch/tokens"] > 0 and r["mismatch/abs_max"] < 1e-3 for r in grpo_rows)
     assert sorted(ckpt_lib.CheckpointManager(tmp_path / "checkpoints").all_steps())[-1] == 6
 
 

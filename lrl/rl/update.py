@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lrl import mesh as mesh_lib
 from lrl import models
-from lrl.rl import losses
+from lrl.rl import losses, mismatch
 from lrl.rl.fused_head import fused_token_loss
 from lrl.rl.logprobs import token_logprobs_and_entropy
 from lrl.rl.train import (AccumulatePrograms, TrainState, abstract_train_state,  # noqa: F401
@@ -48,7 +48,12 @@ from lrl.rl.train import (AccumulatePrograms, TrainState, abstract_train_state, 
                           run_accumulated, train_state_shardings)
 
 REQUIRED_KEYS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "advantages")
-OPTIONAL_KEYS = ("old_logp", "ref_logp", "rollout_logp", "sample_age", "prefix_ids")
+OPTIONAL_KEYS = ("old_logp", "ref_logp", "rollout_logp", "sample_age", "prefix_ids",
+                 "response_pos")
+# The metrics of the sampler-trainer mismatch a micro-batch adds when it carries
+# `response_pos`: `lrl.rl.mismatch.mismatch_sums` under this prefix (its maxima end in _max,
+# so micro-batches combine as the sums do).
+MISMATCH_SUMS = "mismatch_sums/"
 
 
 def _check_batch(batch, num_micro: int, required=REQUIRED_KEYS, optional=OPTIONAL_KEYS):
@@ -113,16 +118,20 @@ def micro_loss(params, mb, denoms: losses.Denominators, extra=None, *, objective
     shares add up to the minibatch's loss, gradient and metrics."""
     o, cfg = objective, objective.loss_cfg
     mb = constrain_batch(mb, o.mesh)
+    # The sampler's log-probs reach the loss only for its rollout correction; else they ride
+    # along for the mismatch metrics.
+    rollout_BT = mb.get("rollout_logp") if cfg.corrects_rollout else None
 
     def terms(logp_BT, ent_BT):
         if cfg.entropy_coef == 0.0:
             ent_BT = jax.lax.stop_gradient(ent_BT)
         # No old log-probs: the batch is on-policy, old = current without gradient.
         old_BT = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp_BT)
-        return losses.packed_policy_loss(
+        loss, metrics = losses.packed_policy_loss(
             logp_BT, old_BT, mb["advantages"], mb["loss_mask"], mb["segment_ids"], denoms,
-            cfg, ref_logp_BT=mb.get("ref_logp"), rollout_logp_BT=mb.get("rollout_logp"),
+            cfg, ref_logp_BT=mb.get("ref_logp"), rollout_logp_BT=rollout_BT,
             age_BT=mb.get("sample_age"), entropy_BT=ent_BT if o.compute_entropy else None)
+        return loss, dict(metrics, **_mismatch_sums(mb, logp_BT))
 
     if not (o.fused_head and cfg.ratio_level == "token"):
         return terms(*token_logprobs(o.model_cfg, params, mb, o.mesh, o.chunk, o.compute_entropy,
@@ -132,12 +141,32 @@ def micro_loss(params, mb, denoms: losses.Denominators, extra=None, *, objective
     aux = losses.token_loss_aux(mb["loss_mask"], mb["segment_ids"], denoms, cfg,
                                 adv_BT=mb["advantages"], old_logp_BT=mb.get("old_logp"),
                                 ref_logp_BT=mb.get("ref_logp"),
-                                rollout_logp_BT=mb.get("rollout_logp"),
-                                age_BT=mb.get("sample_age"))
+                                rollout_logp_BT=rollout_BT, age_BT=mb.get("sample_age"))
     loss, logp_BT, ent_BT = fused_token_loss(
         x_BTD, w_DV, mb["targets"], functools.partial(losses.token_loss, cfg=cfg), aux,
         chunk=o.chunk, compute_entropy=o.compute_entropy)
     return loss, terms(logp_BT, ent_BT)[1]   # the metrics, from the same log-probs
+
+
+def _mismatch_sums(mb, logp_BT) -> dict:
+    """The mismatch sums of the micro-batch's own forward (trainer log-probs under the params
+    it is called with) against the sampler's, when the rows carry `response_pos` (1-based, 0
+    off the responses): free where the update's first minibatch runs under the weights that
+    sampled, instead of a forward pass of its own."""
+    if "response_pos" not in mb:
+        return {}
+    sampler_BT = mb["rollout_logp"] if "rollout_logp" in mb else mb["old_logp"]
+    pos_BT = mb["response_pos"]
+    sums = mismatch.mismatch_sums(jax.lax.stop_gradient(logp_BT), sampler_BT, pos_BT > 0,
+                                  pos_BT - 1)
+    return {MISMATCH_SUMS + k: v for k, v in sums.items()}
+
+
+def mismatch_of(metrics: dict) -> tuple[dict, dict]:
+    """An update's metrics -> (those without the mismatch sums, the sums by their own keys)."""
+    rest = {k: v for k, v in metrics.items() if not k.startswith(MISMATCH_SUMS)}
+    return rest, {k[len(MISMATCH_SUMS):]: v for k, v in metrics.items()
+                  if k.startswith(MISMATCH_SUMS)}
 
 
 def host_denominators(micro_batches, max_len: Optional[int] = None) -> losses.Denominators:
