@@ -23,10 +23,13 @@ trained tokens per second per GPU, whole-step MFU and the composition ratio:
   token per token of its context in decode; prefill's left out: prompts of a few hundred
   tokens), N = the matmul parameters (non-embedding + the lm head), over step time x
   --peak-tflops (791, the H200's measured bf16 matmul rate);
-- the prediction the composition ratio divides by the step time: decode at --decode-frac of
-  the HBM roofline (the rollout bench's 50% at 256 slots) for full slots at the step's mean
-  context, prefill at --prefill-mfu, the update at --update-mfu (the update bench's 60% at
-  16K-32K): what the parts' benchmarks give for the same tokens, with no tail and no host gap.
+- the prediction the composition ratio divides by the step time: decode at the rollout
+  bench's rate (`rollout.py`'s `bench_case`, run in this process after the loop) for full
+  slots at the run's mean context, prefill at --prefill-mfu, the update at --update-mfu (the
+  update bench's 60% at 16K-32K): what the parts' benchmarks give for the same tokens, with
+  no tail and no host gap. The table also gives the ratio with decode at --decode-frac of the
+  HBM roofline (50%, the rollout bench's rate at 256 slots of 640 tokens), the prediction
+  before the bench ran here; --decode-ms sets the bench's rate instead of measuring it.
 
 B batch rows (the engine's slots) · L layers · D model width · V vocabulary.
 """
@@ -131,8 +134,10 @@ def lengths_fn(mean: float, cap: int, seed: int):
     return length
 
 
-def flops_and_prediction(row, cfg, a):
-    """(whole-step FLOPs, the parts' predicted seconds) for one step's metrics row."""
+def flops_and_prediction(row, cfg, a, decode_step_s=None):
+    """(whole-step FLOPs, the parts' predicted seconds, their decode seconds) for one step's
+    metrics row: decode at `decode_step_s` a step of full slots, else at --decode-frac of the
+    HBM roofline."""
     from lrl.rollout.pages import kv_bytes_per_token
     D_att = cfg.n_heads * cfg.head_dim
     embed = cfg.vocab_size * cfg.d_model
@@ -151,7 +156,9 @@ def flops_and_prediction(row, cfg, a):
     mean_ctx = ctx / max(generated, 1)
     B = a.slots
     step_bytes = weights + B * mean_ctx * kv_bytes_per_token(cfg)
-    decode_s = generated / B * step_bytes / (a.decode_frac * a.hbm_tbs * 1e12)
+    if decode_step_s is None:
+        decode_step_s = step_bytes / (a.decode_frac * a.hbm_tbs * 1e12)
+    decode_s = generated / B * decode_step_s
     predicted = (decode_s + prefill_f / (a.prefill_mfu * peak)
                  + update_f / (a.update_mfu * peak))
     return flops, predicted, decode_s
@@ -176,7 +183,12 @@ def main():
     ap.add_argument("--recompute-old-logp", action="store_true")
     ap.add_argument("--peak-tflops", type=float, default=791.0)
     ap.add_argument("--hbm-tbs", type=float, default=4.1)
-    ap.add_argument("--decode-frac", type=float, default=0.50)
+    ap.add_argument("--decode-frac", type=float, default=0.50,
+                    help="the roofline prediction's share of the HBM roofline for decode")
+    ap.add_argument("--decode-ms", type=float, default=0.0,
+                    help="the rollout bench's ms a decode step of full slots at the run's mean "
+                         "context (0: measure it after the run; with --table-from, 0 leaves "
+                         "only the roofline prediction)")
     ap.add_argument("--prefill-mfu", type=float, default=0.74)
     ap.add_argument("--update-mfu", type=float, default=0.60)
     ap.add_argument("--workdir", default="/tmp/lrl-bench-grpo-step")
@@ -235,18 +247,66 @@ def main():
     shutil.rmtree(a.workdir, ignore_errors=True)
     t0 = time.time()
     loop.run(c, a.workdir)
-    table(a, c, os.path.join(a.workdir, "metrics.jsonl"), wall=time.time() - t0)
+    wall = time.time() - t0
+    metrics_path = os.path.join(a.workdir, "metrics.jsonl")
+    if not a.decode_ms:
+        bench = decode_rate(a, c, _step_rows(metrics_path))
+        a.decode_ms = bench["step_ms"]
+    table(a, c, metrics_path, wall=wall)
+
+
+def _step_rows(metrics_path: str) -> list[dict]:
+    rows = [json.loads(x) for x in open(metrics_path)]
+    return [r for r in rows if "pack/tokens" in r]
+
+
+def _model_config(a, c):
+    from lrl import experiment
+    from lrl.tasks import text
+    opts = experiment.options(c)
+    return text.model_config(opts, text.build_tokenizer(opts, a.workdir))
+
+
+def decode_rate(a, c, rows: list[dict]) -> dict:
+    """The rollout bench's decode step (`rollout.py`'s `bench_case`, its settings) for
+    `a.slots` full slots at the run's mean context over its steps after the first (which
+    compiled): prompts of T tokens each growing by n, T + n/2 that context. Run after the
+    loop, in its process, with the weights in the decode layout's dtype."""
+    import gc
+
+    import jax
+    from experiments.bench.profile import sibling
+    from lrl.models import init_params
+    gc.collect()   # the loop's engine and state
+    timed = rows[1:] or rows
+    generated = sum(r["rollout/new_tokens"] for r in timed)
+    ctx = sum(r["rollout/kv_token_steps"] for r in timed) / max(generated, 1)
+    n = 32 if a.smoke else 128
+    T = max(8, int(round(ctx - n / 2)))
+    ro = sibling("rollout")
+    knobs = argparse.Namespace(page_size=c.rollout.page_size, prefill_chunk=32 if a.smoke
+                               else 4096, steps_per_call=4 if a.smoke else 32, layer_unroll=1,
+                               prefill_params="decode", hbm_tbs=a.hbm_tbs, attention=None,
+                               decode_block_pages=None, fused_decode=False, k_splits=None,
+                               pallas_warps=None, pallas_stages=None, kv_per_program=None,
+                               sampling=None)
+    cfg = _model_config(a, c)
+    cfg = dataclasses.replace(cfg, param_dtype=cfg.dtype, remat="none")
+    params = init_params(cfg, jax.random.key(0))
+    r = ro.bench_case(cfg, params, f"{a.slots}x{T}x{n}", knobs,
+                      ro.weight_bytes_per_step(cfg, params))
+    print(f"rollout bench at the run's mean context {ctx:.0f}: {r['case']} (mean context "
+          f"{T + n / 2:.0f}), {r['step_ms']:.2f} ms a step ({r['roofline_frac']:.0%} of the "
+          f"HBM roofline's {r['roofline_ms']:.2f})", flush=True)
+    del params
+    return r
 
 
 def table(a, c, metrics_path: str, wall: float):
     """The benchmark's table (and --json) from a run's metrics.jsonl."""
     import jax
-    from lrl import experiment
-    from lrl.tasks import text
-    opts = experiment.options(c)
-    cfg = text.model_config(opts, text.build_tokenizer(opts, a.workdir))
-    rows = [json.loads(x) for x in open(metrics_path)]
-    rows = [r for r in rows if "pack/tokens" in r]
+    cfg = _model_config(a, c)
+    rows = _step_rows(metrics_path)
     n_dev = jax.device_count()
     out = []
     print(f"\n{a.case}: {jax.devices()[0].device_kind} x {n_dev}, jax {jax.__version__}, "
@@ -258,10 +318,14 @@ def table(a, c, metrics_path: str, wall: float):
     print("| step | s | rollout s | logprob s | update s | host s | gen tok | trained tok | "
           "resp mean | occupancy | row occ. | decode steps | ms/step | "
           "groups / carried / dropped | pack fill | "
-          "micro | compiles | trained tok/s/GPU | MFU | composition |")
-    print("|" + "---|" * 20)
+          "micro | compiles | trained tok/s/GPU | MFU | composition | comp. at "
+          f"{a.decode_frac:.0%} roofline |")
+    print("|" + "---|" * 21)
+    bench_step_s = a.decode_ms / 1e3 if a.decode_ms else None
     for r in rows:
-        flops, predicted, decode_s = flops_and_prediction(r, cfg, a)
+        flops, roof_predicted, _ = flops_and_prediction(r, cfg, a)
+        flops, predicted, decode_s = (flops_and_prediction(r, cfg, a, bench_step_s)
+                                      if bench_step_s else (flops, float("nan"), float("nan")))
         step_s = r["time/step_s"]
         host = step_s - r["time/rollout_s"] - r["time/logprob_s"] - r["time/update_s"]
         rec = dict(step=r["step"], step_s=step_s, rollout_s=r["time/rollout_s"],
@@ -274,6 +338,8 @@ def table(a, c, metrics_path: str, wall: float):
                    tok_s_gpu=r["pack/tokens"] / step_s / n_dev,
                    mfu=flops / (step_s * a.peak_tflops * 1e12 * n_dev),
                    composition=predicted / step_s, predicted_s=predicted,
+                   composition_roofline=roof_predicted / step_s,
+                   bench_decode_ms=a.decode_ms or None,
                    predicted_decode_s=decode_s, decode_steps=r.get("rollout/decode_steps"),
                    decode_s=r.get("rollout/decode_s"), prefill_s=r.get("rollout/prefill_s"),
                    row_occupancy=r.get("rollout/row_occupancy", float("nan")),
@@ -292,7 +358,8 @@ def table(a, c, metrics_path: str, wall: float):
               f"{rec['carried']:.0f} / {rec['dropped']:.0f} | "
               f"{rec['fill']:.0%} | {rec['micro']:.0f} | "
               f"{rec['compiles']:.0f} (+{rec['compiles_step']:.0f}) | {rec['tok_s_gpu']:.0f} | "
-              f"{rec['mfu']:.1%} | {rec['composition']:.2f} |")
+              f"{rec['mfu']:.1%} | {rec['composition']:.2f} | "
+              f"{rec['composition_roofline']:.2f} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(case=a.case, args=vars(a), rows=out, wall_s=wall), f, indent=1)
