@@ -197,8 +197,18 @@ def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
     @functools.lru_cache(maxsize=None)   # each shape compiled once, whoever asks
     def need(rows_per_shard, row_len):
         # The accumulator lives through both programs; the optimizer step may need more.
-        return max(update_lib.need_bytes(update, state.params, spec(rows_per_shard, row_len),
-                                         task.extra_spec()), apply_need())
+        try:
+            acc_need = update_lib.need_bytes(update, state.params,
+                                             spec(rows_per_shard, row_len), task.extra_spec())
+        except jax.errors.JaxRuntimeError as e:
+            if not budget_lib.out_of_memory(e):
+                raise
+            # XLA's GPU autotuner runs a candidate's kernels on buffers of their full size
+            # while compiling, so a shape far past the device fails to compile at all.
+            log.info("update micro-batch %d x %d: its compile ran out of memory (%s): does "
+                     "not fit", rows_per_shard, row_len, str(e).splitlines()[0][:160])
+            return budget_lib.NO_FIT
+        return max(acc_need, apply_need())
 
     def available():   # what the update may add to what is live now
         if memory is None:

@@ -279,3 +279,28 @@ def test_the_budget_is_derived_from_the_compiled_update():
                                      row_floor=256) == (1, 256)
     cpu = budget_lib.resolve(row_len=0, max_tokens=0, longest=200, unit=4)
     assert (cpu.row_len, cpu.rows_per_shard) == (256, 1)   # no memory reading: one sample's row
+
+
+def test_a_shape_whose_compile_runs_out_of_memory_does_not_fit():
+    """XLA's GPU autotuner runs a candidate's kernels on full-size buffers while compiling,
+    so the search's larger guesses may fail to compile at all: the loop's `need` calls that
+    NO_FIT (`budget.out_of_memory` tells the error), and the search settles below it."""
+    err = RuntimeError("NOT_FOUND: All configs failed during profiling.\nEXECUTION FAILED: "
+                       "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 157.66GiB")
+    assert budget_lib.out_of_memory(err) and not budget_lib.out_of_memory(ValueError("shape"))
+    tried = []
+
+    def need(rows, T):
+        tried.append(rows)
+        return budget_lib.NO_FIT if rows >= 8 else 1000 * rows
+    got = budget_lib.resolve(row_len=256, max_tokens=0, longest=200, unit=1, need_bytes=need,
+                             available=5_500)
+    assert got.rows_per_shard == 5 and got.need_bytes == 5000 and max(tried) <= 64
+    # A line through 1 and 2 rows that says everything fits guesses the top; its compile
+    # failing leaves a size that fits.
+    tried.clear()
+    flat = budget_lib.resolve(row_len=256, max_tokens=0, longest=200, unit=1,
+                              need_bytes=lambda rows, T: tried.append(rows) or (
+                                  budget_lib.NO_FIT if rows >= 8 else 1000 + rows),
+                              available=10**6)
+    assert 2 <= flat.rows_per_shard < 8 and flat.need_bytes < 10**6

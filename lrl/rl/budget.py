@@ -108,6 +108,16 @@ def smallest_shape(*, row_len: int, max_tokens: int, longest: Optional[int], uni
     return 1, _round_up(max(longest or 1, row_floor), math.lcm(unit, align))
 
 
+# What a shape "needs" when compiling it ran out of memory: more than any device has.
+NO_FIT = 1 << 62
+
+
+def out_of_memory(e: Exception) -> bool:
+    """Whether `e` (a compile's or a run's error) says the device ran out of memory."""
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
+
+
 def resolve(*, row_len: int, max_tokens: int, longest: Optional[int], unit: int,
             need_bytes: Optional[Callable[[int, int], int]] = None,
             available: Optional[int] = None, max_rows: int = 64, align: int = 128,
