@@ -173,14 +173,23 @@ def update_row(ctx: dict, layout: str, prompt, table, args, seed: int) -> dict:
     denoms = update_lib.host_denominators(micro, A)
     placed = [mesh_lib.put_batch(mesh, mb) for mb in micro]
     p, params = u.programs, ctx["state"].params
-    # Compiles start, accumulate (on one micro-batch) and apply: one step on one row.
+    # The optimizer step compiles first, before the forward's buffers come and go (its
+    # 89.9 GiB request at 1,024 frames came after them), and says what it needs beyond the
+    # state (`lrl.rl.update.apply_bytes`'s reading).
     t0 = time.perf_counter()
+    stage = ctx["stage"]
+    ctx["stage"] = f"{stage}: apply compile"
+    acc_shape = jax.eval_shape(p.start, params, placed[0], denoms, table)
+    apply_temp = p.apply.lower(ctx["state"], acc_shape).compile().memory_analysis()
+    ctx["stage"] = f"{stage}: step"
+    # Compiles start, accumulate (on one micro-batch) and apply: one step on one row.
     acc = p.accumulate(params, p.start(params, placed[0], denoms, table), placed[0], denoms,
                        table)
     del params
     ctx["state"], m = p.apply(ctx["state"], acc)
     jax.block_until_ready(m)
-    out = {"compile_s": time.perf_counter() - t0}
+    out = {"compile_s": time.perf_counter() - t0,
+           "apply_temp_gib": round(apply_temp.temp_size_in_bytes / 2**30, 2)}
     t0 = time.perf_counter()
     ctx["state"], m = update_lib.run_update(u, ctx["state"], placed, denoms, table)
     m = jax.device_get(m)
