@@ -181,6 +181,7 @@ def update_row(ctx: dict, layout: str, prompt, table, args, seed: int) -> dict:
     ctx["stage"] = f"{stage}: apply compile"
     acc_shape = jax.eval_shape(p.start, params, placed[0], denoms, table)
     apply_temp = p.apply.lower(ctx["state"], acc_shape).compile().memory_analysis()
+    ctx["apply_temp_gib"] = round(apply_temp.temp_size_in_bytes / 2**30, 2)
     ctx["stage"] = f"{stage}: step"
     # Compiles start, accumulate (on one micro-batch) and apply: one step on one row.
     acc = p.accumulate(params, p.start(params, placed[0], denoms, table), placed[0], denoms,
@@ -189,7 +190,7 @@ def update_row(ctx: dict, layout: str, prompt, table, args, seed: int) -> dict:
     ctx["state"], m = p.apply(ctx["state"], acc)
     jax.block_until_ready(m)
     out = {"compile_s": time.perf_counter() - t0,
-           "apply_temp_gib": round(apply_temp.temp_size_in_bytes / 2**30, 2)}
+           "apply_temp_gib": ctx["apply_temp_gib"]}
     t0 = time.perf_counter()
     ctx["state"], m = update_lib.run_update(u, ctx["state"], placed, denoms, table)
     m = jax.device_get(m)
@@ -273,6 +274,7 @@ def child(seq: int, frames: list[int], args) -> None:
             print("FAILED " + json.dumps({"frames": f, "why": "OOM" if oom else
                                           "error: " + text.splitlines()[0][:120],
                                           "stage": ctx.get("stage"), "memory": _memory(),
+                                          "apply_temp_gib": ctx.get("apply_temp_gib"),
                                           "detail": text[:300]}),
                   flush=True)
             if oom:
