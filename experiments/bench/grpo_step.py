@@ -7,22 +7,47 @@ for N steps at a real model's shapes, random weights, with a controlled response
         --mean 1024 --cap 2048                       # 7B, bf16 masters (one H200)
     python experiments/bench/grpo_step.py --case short --steps 8 --partial --partial-tokens 0
                                                         # partial rollouts, stopped in the tail
+    python experiments/bench/grpo_step.py --case video_qa --steps 3 --frames 64
+        # Qwen2.5-VL-7B (its vision tower's shapes), bf16 masters, one H200: 16 prompts x 8 of
+        # 64 frames (8192 visual tokens), answers mean 512 cap 2048, 128 slots
+    python experiments/bench/grpo_step.py --case long_context_ring --steps 3 --prompt 16384
+        # Qwen2.5-7B, bf16 masters, one H200: 8 prompts x 8 of ~15K tokens (not ~120K),
+        # answers mean 2048 cap 8192, 64 slots
     python experiments/bench/grpo_step.py --smoke                   # CPU, tiny, checks it runs
+    python experiments/bench/grpo_step.py --smoke --case video_qa   # (or long_context_ring)
 
 The one thing the benchmark adds to the loop: each sample's end is forced at a length drawn
 from a log-normal (sigma 1, mean `--mean` before the cap at `--cap`), since random weights
 never end by themselves; one draw a sample, keyed by its prompt and index, so a sample carried
-over steps (`--partial`) keeps its length. The tokenizer is a stand-in (the synthetic task's, with the vocabulary
-padded to the model's 151,936 ids: sampled ids past it decode to nothing), the prompts are the
-synthetic arithmetic task's, the reward is a coin flip (so groups have advantages).
+over steps (`--partial`) keeps its length. The tokenizer is a stand-in (the synthetic task's,
+with the vocabulary padded to the model's 151,936 ids, 152,064 for 7B: sampled ids past it
+decode to nothing), the prompts are the synthetic arithmetic task's, the reward is a coin flip
+(so groups have advantages).
+
+The real-model configs run at their own shapes on one device, as what one GPU holds caps
+them: the mesh is one device (fsdp=-1, seq=1, dense attention: the configs' ring needs
+seq > 1), 7B masters are bf16, the lm head's log-prob chunk 2048.
+- `video_qa` (configs/video_qa.py: Qwen2.5-VL-7B for 8 GPUs, fsdp=2 x seq=4 ring): the
+  synthetic video task's prompts (configs/video_synthetic.py, its videos written into the
+  workdir) instead of a jsonl, at the config's largest frame (256 merged tokens), --frames
+  frames a video (the config's 64), the config's shared prompt (auto), row length and
+  minibatches; the vision tower at Qwen2.5-VL-7B's shapes, random (lrl's window and
+  full-attention blocks, not the checkpoint's: `VL_7B`). Compiles after step 1 are the
+  video prompts' eager ops: a new prompt length compiles ~10 small programs.
+- `long_context_ring` (configs/long_context_ring.py: Qwen2.5-7B on 128K rows, ring over 8
+  GPUs): the synthetic key-value retrieval task's prompts of about 85-95% of --prompt
+  tokens (16384), the config's answer cap (8192), 8 prompts x 8 and 64 slots.
 
 Per step it prints rollout / log-prob / update / host seconds, pack fill, compiles so far,
 trained tokens per second per GPU, whole-step MFU and the composition ratio:
 - FLOPs = 6 N (trained tokens) + 2 N (generated tokens) + 2 (N - V D) (prefilled tokens, no
-  logits) + attention (6 L D_att sum(len^2) in the update, causal; 4 L D_att per generated
-  token per token of its context in decode; prefill's left out: prompts of a few hundred
-  tokens), N = the matmul parameters (non-embedding + the lm head), over step time x
-  --peak-tflops (791, the H200's measured bf16 matmul rate);
+  logits) + attention (6 L D_att sum(len^2) in the update, causal, less (G - 1) prompt^2 a
+  group whose rows hold its prompt once, `rl.shared_prompt`; 4 L D_att per generated token
+  per token of its context in decode; 2 L D_att prompt^2 a prompt in prefill, at the mean
+  prompt length), N = the text decoder's matmul parameters (non-embedding + the lm head),
+  over step time x --peak-tflops (791, the H200's measured bf16 matmul rate). The video
+  case's vision tower is left out (frozen, forward only: about 5% of its step's FLOPs at 64
+  frames), and its time (`time/vision_s`) is in the host column;
 - the prediction the composition ratio divides by the step time: decode at the rollout
   bench's rate (`rollout.py`'s `bench_case`, run in this process after the loop) for full
   slots at the run's mean context, prefill at --prefill-mfu, the update at --update-mfu (the
@@ -53,27 +78,60 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
-# Model shapes of the configs' models (random weights here).
+# Model shapes of the configs' models (random weights here), with their vocabularies.
 SHAPES = {
     "1.5b": dict(model_type="qwen2", d_model=1536, n_layers=28, n_heads=12, n_kv_heads=2,
-                 head_dim=128, mlp_dim=8960, rope_theta=1e6, tie_embeddings=True),
+                 head_dim=128, mlp_dim=8960, rope_theta=1e6, tie_embeddings=True,
+                 vocab_size=151936),
     "7b": dict(model_type="qwen2", d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4,
-               head_dim=128, mlp_dim=18944, rope_theta=1e6, tie_embeddings=False),
+               head_dim=128, mlp_dim=18944, rope_theta=1e6, tie_embeddings=False,
+               vocab_size=152064),
     "tiny": dict(model_type="qwen2", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                 head_dim=16, mlp_dim=128, rope_theta=1e4, tie_embeddings=True),
+                 head_dim=16, mlp_dim=128, rope_theta=1e4, tie_embeddings=True,
+                 vocab_size=512),
 }
+# Qwen2.5-VL-7B's vision tower and M-RoPE sections (its config.json). The random tower keeps
+# lrl's window (56 px) and full attention in block 0 only, where the checkpoint's has 112 px
+# windows and full attention in blocks 7, 15, 23 and 31 (`lrl.tasks.video.policy_config`).
+VL_7B = dict(vision_depth=32, vision_width=1280, vision_heads=16, vision_mlp_dim=3420,
+             mrope_section=(16, 24, 24))
+# The cases' defaults beside the generic ones (mean and cap of the responses, prompts a step,
+# engine slots, prompt tokens): the real-model configs' own sizes where one H200 holds them.
+GENERIC = dict(mean=4096, cap=16384, prompts=32, slots=256, prompt=256)
+DEFAULTS = {
+    "short": dict(mean=300, cap=1024),
+    "long": dict(mean=4096, cap=16384),
+    # multiple-choice answers are short; the config's 2048 cap and 16 prompts x 8, 128 slots
+    "video_qa": dict(mean=512, cap=2048, prompts=16, slots=128),
+    # the config's 8192 cap and 8 prompts x 8, 64 slots; prompts of ~16K, not ~120K, tokens
+    "long_context_ring": dict(mean=2048, cap=8192, prompts=8, slots=64, prompt=16384),
+}
+SMOKE = dict(mean=12, cap=24, prompts=4, group=2, slots=8, steps=3, prompt=64,
+             prefill_tokens=256, chunk=128, frames=4)
+
+
+def case_name(a) -> str:
+    """The config a case runs: qwen2_5_math (long, short, --smoke), or CONFIG of CONFIG[:ARG]."""
+    name = a.case.partition(":")[0]
+    if a.case in ("long", "short") or (a.smoke and name not in ("video_qa",
+                                                                 "long_context_ring")):
+        return "qwen2_5_math"
+    return name
 
 
 def make_config(a):
     from lrl import config_util
-    if a.case in ("long", "short") or a.smoke:
+    name = case_name(a)
+    if name == "qwen2_5_math" and (a.smoke or a.case in ("long", "short")):
         c = config_util.load(os.path.join(ROOT, "configs", "qwen2_5_math.py"), "1.5b")
         shape = "tiny" if a.smoke else "1.5b"
     else:
-        name, _, arg = a.case.partition(":")
+        arg = a.case.partition(":")[2]
         c = config_util.load(os.path.join(ROOT, "configs", name + ".py"), arg or None)
-        shape = "7b" if "7b" in a.case or name == "long_context_ring" else "1.5b"
-    c.model.update(hf_path="", vocab_size=512 if a.smoke else 151936, **SHAPES[shape])
+        shape = "tiny" if a.smoke else ("7b" if "7b" in a.case or name in (
+            "long_context_ring", "video_qa") else "1.5b")
+    video = c.task == "video"
+    c.model.update(hf_path="", **SHAPES[shape])
     if a.smoke:
         c.model.update(dtype="float32", remat="none")
     if a.param_dtype:
@@ -82,10 +140,22 @@ def make_config(a):
         # fp32 masters, Adam moments and gradients are 16 bytes a parameter: 122 GB for 7B,
         # more than one H200 leaves beside the rollout; bf16 ones are 61 GB.
         c.model.param_dtype = "bfloat16"
-    c.tokenizer.update(path="", vocab_size=300)
-    c.data.update(source="synthetic", task="arithmetic", paths="", eval_paths="",
-                  max_prompt_len=a.prompt, system_prompt="")
+    if video:
+        _video_data(c, a)
+    else:
+        c.tokenizer.update(path="", vocab_size=300)
+        c.data.update(source="synthetic", task="arithmetic", paths="", eval_paths="",
+                      max_prompt_len=a.prompt, system_prompt="")
+    if name == "long_context_ring":
+        # Key-value retrieval prompts of about 85-95% of --prompt tokens (none dropped): a
+        # "key: value" line is about 9.9 tokens of the local tokenizer, the header and chat
+        # template about 60 (measured at 16384: 13.9K-15.3K, mean 14.7K).
+        pairs = max(1, (a.prompt - 64) * 2 // 21)
+        c.data.task = "kv_retrieval"
+        c.data.task_kwargs.kv_retrieval.update(num_pairs=pairs, min_pairs=max(1, pairs * 9 // 10),
+                                               key_len=3, value_len=4)
     c.mesh.update(data=1, fsdp=-1, seq=1, tensor=1)
+    # One device: dense attention (ring and Ulysses split rows over seq > 1).
     c.model.update(attention="dense", param_shard_axes="fsdp")
     cap = a.cap
     c.rl.update(steps=a.steps, prompts_per_step=a.prompts, group_size=a.group,
@@ -95,7 +165,7 @@ def make_config(a):
                 # gradient: at V = 151,936 and C = 8K about 12 GB, that 7B's update cannot spare
                 # beside its state on one H200 (2K: 3 GB); 1.5B was measured at 8K.
                 logprob_chunk=a.chunk or (2048 if shape == "7b" else 8192),
-                row_len=0, max_tokens_per_micro=a.budget)
+                row_len=_video_row_len(c, a) if video else 0, max_tokens_per_micro=a.budget)
     c.reward.update(spec="bench_coin:1.0", num_workers=0)
     c.rollout.update(max_slots=a.slots, pool_tokens=0, pool_fraction=a.pool_fraction,
                      prefill_tokens=a.prefill_tokens, sp_min_tokens=0,
@@ -119,6 +189,33 @@ def make_config(a):
         node[leaf] = type(old)(value) if not isinstance(old, bool) else value in ("1", "true",
                                                                                    "True")
     return c
+
+
+def _video_data(c, a) -> None:
+    """The synthetic video task's prompts (configs/video_synthetic.py: videos written into
+    the workdir) in place of the config's jsonl: --frames frames sampled a video at the
+    config's largest frame (16 x 16 merged tokens: 448 px squares; the files hold at most 32
+    frames, sampled with repeats, so the shapes' motion fits the frame), one video a prompt
+    of each step (every step encodes its own), Qwen2.5-VL-7B's vision tower."""
+    v = c.video
+    if a.smoke:   # configs/video_qa.py:runlocal's frames
+        v.update(min_tokens_per_frame=4, max_tokens_per_frame=16)
+    else:
+        v.update(**VL_7B)
+    v.update(num_frames=a.frames, frames_in_file=min(a.frames, 32),
+             frame=28 * math.isqrt(v.max_tokens_per_frame), cache_dir="")
+    c.data.update(source="synthetic", task="direction", paths="", eval_paths="",
+                  size=a.prompts * a.steps, eval_size=2, system_prompt="")
+
+
+def _video_row_len(c, a) -> int:
+    """An update row holds a prompt (its visual tokens and under 256 of text) and a response
+    at the cap: the config's row length, or more for more frames."""
+    v = c.video
+    visual = a.frames // 2 * v.max_tokens_per_frame      # 2 frames a temporal patch
+    unit = 128 if a.smoke else 1024
+    need = -(-(visual + 256 + a.cap) // unit) * unit
+    return need if a.smoke else max(c.rl.row_len, need)
 
 
 def lengths_fn(mean: float, cap: int, seed: int):
@@ -147,9 +244,15 @@ def flops_and_prediction(row, cfg, a, decode_step_s=None):
     prefilled = row["rollout/prefill_tokens"]
     ctx = row["rollout/kv_token_steps"]            # sum over generated tokens of their context
     L = cfg.n_layers
-    update_f = 6 * N * trained + 6 * L * D_att * row["pack/seq_len_sq"]
+    groups = row.get("partial/trained_groups", a.prompts)
+    prompt_len = prefilled / max(a.prompts, 1)     # each group's prompt is prefilled once
+    # pack/seq_len_sq sums (prompt + response)^2 over the samples; a row that holds a group's
+    # prompt once (rl.shared_prompt) computes (G - 1) prompt^2 fewer causal pairs a group.
+    shared = row.get("pack/shared_frac", 0.0) * groups * (a.group - 1) * prompt_len ** 2
+    update_f = 6 * N * trained + 6 * L * D_att * (row["pack/seq_len_sq"] - shared)
     decode_f = 2 * N * generated + 4 * L * D_att * ctx
-    prefill_f = 2 * (N - embed) * prefilled        # no logits in prefill
+    # no logits in prefill; causal attention over each prompt, at the mean prompt length
+    prefill_f = 2 * (N - embed) * prefilled + 2 * L * D_att * a.prompts * prompt_len ** 2
     flops = update_f + decode_f + prefill_f
     peak = a.peak_tflops * 1e12
     weights = N * 2                                # a decode step reads the bf16 weights once
@@ -167,14 +270,21 @@ def flops_and_prediction(row, cfg, a, decode_step_s=None):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", default="long",
-                    help="long (mean 4K, cap 16K), short (cap 1K), or CONFIG[:ARG] of configs/")
+                    help="long (mean 4K, cap 16K), short (cap 1K), video_qa, long_context_ring, "
+                         "or CONFIG[:ARG] of configs/")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="rl.prompts_per_step (32; video_qa 16, long_context_ring 8)")
     ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--prompt", type=int, default=256, help="data.max_prompt_len")
+    ap.add_argument("--prompt", type=int, default=None,
+                    help="data.max_prompt_len (256; long_context_ring 16384, its prompts "
+                         "90-100%% of it)")
+    ap.add_argument("--frames", type=int, default=64,
+                    help="video.num_frames (video_qa): 2 a temporal patch of up to 256 tokens")
     ap.add_argument("--mean", type=float, default=None, help="mean response length (pre-cap)")
     ap.add_argument("--cap", type=int, default=None, help="rl.max_new_tokens")
-    ap.add_argument("--slots", type=int, default=256)
+    ap.add_argument("--slots", type=int, default=None,
+                    help="rollout.max_slots (256; video_qa 128, long_context_ring 64)")
     ap.add_argument("--budget", type=int, default=0, help="rl.max_tokens_per_micro (0: derive)")
     ap.add_argument("--chunk", type=int, default=0,
                     help="rl.logprob_chunk (0: 8192, or 2048 for 7B shapes)")
@@ -215,12 +325,14 @@ def main():
                     help="print the table of a run's metrics.jsonl (one cut short, say) "
                          "without running; give the run's other flags as they were")
     a = ap.parse_args()
-    defaults = {"short": (300, 1024), "long": (4096, 16384)}
-    mean, cap = defaults.get(a.case, (4096, 16384))
-    if a.smoke:
-        mean, cap, a.prompts, a.group, a.slots, a.steps = 12, 24, 4, 2, 8, 3
-        a.prompt, a.prefill_tokens, a.chunk = 64, 256, 128
-    a.mean, a.cap = a.mean or mean, a.cap or cap
+    d = {**GENERIC, **DEFAULTS.get(a.case, {})}
+    if a.smoke:   # tiny shapes (case_name: the text smoke runs qwen2_5_math's)
+        d.update(SMOKE, prompt=192 if case_name(a) == "long_context_ring" else SMOKE["prompt"])
+        for k in ("group", "steps", "prefill_tokens", "chunk", "frames"):
+            setattr(a, k, d[k])
+    for k in ("mean", "cap", "prompts", "slots", "prompt"):
+        if getattr(a, k) is None or a.smoke and k not in ("mean", "cap"):
+            setattr(a, k, d[k])
     if a.partial_tokens < 0:
         a.partial_tokens = int(a.prompts * a.group * min(a.mean, a.cap))
 
@@ -261,9 +373,14 @@ def _step_rows(metrics_path: str) -> list[dict]:
 
 
 def _model_config(a, c):
+    """The text decoder's ModelConfig as the loop builds it (for the video task: the random
+    Qwen2.5-VL policy's, `lrl.tasks.video.policy_config`), from the run's saved tokenizer."""
     from lrl import experiment
-    from lrl.tasks import text
     opts = experiment.options(c)
+    if opts.task == "video":
+        from lrl.tasks import video, video_data
+        return video.policy_config(opts, video_data.build_tokenizer(opts, a.workdir)).text
+    from lrl.tasks import text
     return text.model_config(opts, text.build_tokenizer(opts, a.workdir))
 
 

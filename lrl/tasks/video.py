@@ -162,15 +162,29 @@ class VideoTask:
 def build_policy(opts, tokenizer, mesh=None):
     """-> (VLConfig, {"text": ..., "vision": ...}): a local checkpoint or a random init, the
     text half sharded over `mesh` by lrl's rules, the vision half replicated."""
-    m, v = opts.model, opts.video
-    run_kw = dict(attention=m.attention, attention_impl=m.attention_impl or None,
-                  remat=m.remat, param_shard_axes=m.shard_axes)
+    m = opts.model
     if m.hf_path:
+        run_kw = dict(attention=m.attention, attention_impl=m.attention_impl or None,
+                      remat=m.remat, param_shard_axes=m.shard_axes)
         # load_hf_vl's dtype is the storage dtype (and its compute dtype): set compute after.
         vl_cfg, params = vl_io.load_hf_vl(m.hf_path, dtype(m.param_dtype), mesh=mesh, **run_kw)
         vl_cfg = vl_cfg.replace(text=vl_cfg.text.replace(dtype=dtype(m.dtype)))
         check_token_ids(vl_cfg, tokenizer, m.hf_path)
         return vl_cfg, params
+    vl_cfg = policy_config(opts, tokenizer)
+    k_text, k_vis = jax.random.split(jax.random.key(opts.seed))
+    # One compiled init, created replicated: the vision tower is small and every device
+    # encodes frames with all of it.
+    vis = jax.jit(vision.init_vision_params, static_argnums=0,
+                  out_shardings=None if mesh is None else mesh_lib.replicated(mesh))(
+                      vl_cfg.vision, k_vis)
+    return vl_cfg, {"text": models.init_params(vl_cfg.text, k_text, mesh), "vision": vis}
+
+
+def policy_config(opts, tokenizer) -> vl.VLConfig:
+    """The random policy's VLConfig from the options (no parameters made): the text decoder
+    from `model.*`, the vision tower from `video.vision_*` (a checkpoint brings its own)."""
+    m, v = opts.model, opts.video
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     from lrl.tasks.text import vocab_size
     text = models.ModelConfig(
@@ -180,20 +194,15 @@ def build_policy(opts, tokenizer, mesh=None):
         rope_theta=m.rope_theta, qkv_bias=True, mrope_section=tuple(v.mrope_section),
         tie_embeddings=m.tie_embeddings, bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=(tokenizer.eos_token_id,), dtype=dtype(m.dtype),
-        param_dtype=dtype(m.param_dtype), **run_kw)
+        param_dtype=dtype(m.param_dtype), attention=m.attention,
+        attention_impl=m.attention_impl or None, remat=m.remat, param_shard_axes=m.shard_axes)
     vcfg = vision.VisionConfig(depth=v.vision_depth, hidden_size=v.vision_width,
                                intermediate_size=v.vision_mlp_dim, num_heads=v.vision_heads,
                                out_hidden_size=m.d_model, fullatt_block_indexes=(0,))
-    vl_cfg = vl.VLConfig(text, vcfg, image_token_id=ids["<|image_pad|>"],
-                         video_token_id=ids["<|video_pad|>"],
-                         vision_start_token_id=ids["<|vision_start|>"],
-                         vision_end_token_id=ids["<|vision_end|>"])
-    k_text, k_vis = jax.random.split(jax.random.key(opts.seed))
-    # One compiled init, created replicated: the vision tower is small and every device
-    # encodes frames with all of it.
-    vis = jax.jit(vision.init_vision_params, static_argnums=0,
-                  out_shardings=None if mesh is None else mesh_lib.replicated(mesh))(vcfg, k_vis)
-    return vl_cfg, {"text": models.init_params(text, k_text, mesh), "vision": vis}
+    return vl.VLConfig(text, vcfg, image_token_id=ids["<|image_pad|>"],
+                       video_token_id=ids["<|video_pad|>"],
+                       vision_start_token_id=ids["<|vision_start|>"],
+                       vision_end_token_id=ids["<|vision_end|>"])
 
 
 def check_token_ids(vl_cfg, tokenizer, where: str) -> None:
