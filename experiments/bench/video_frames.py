@@ -173,15 +173,18 @@ def update_row(ctx: dict, layout: str, prompt, table, args, seed: int) -> dict:
     denoms = update_lib.host_denominators(micro, A)
     placed = [mesh_lib.put_batch(mesh, mb) for mb in micro]
     p, params = u.programs, ctx["state"].params
-    # The optimizer step compiles first, before the forward's buffers come and go (its
-    # 89.9 GiB request at 1,024 frames came after them), and says what it needs beyond the
-    # state (`lrl.rl.update.apply_bytes`'s reading).
+    # The optimizer step compiles first, before the forward's buffers come and go, and that
+    # executable runs it: at 1,024 frames the jitted call compiled it after them and XLA's
+    # request for 88.6-89.9 GiB failed (the compiled program's own temporaries, read here,
+    # were 0 GiB on the H200 in a fresh process).
     t0 = time.perf_counter()
     stage = ctx["stage"]
     ctx["stage"] = f"{stage}: apply compile"
     acc_shape = jax.eval_shape(p.start, params, placed[0], denoms, table)
-    apply_temp = p.apply.lower(ctx["state"], acc_shape).compile().memory_analysis()
-    ctx["apply_temp_gib"] = round(apply_temp.temp_size_in_bytes / 2**30, 2)
+    apply = p.apply.lower(ctx["state"], acc_shape).compile()
+    ctx["apply_temp_gib"] = round(apply.memory_analysis().temp_size_in_bytes / 2**30, 2)
+    p = p._replace(apply=apply)
+    u = u._replace(programs=p)
     ctx["stage"] = f"{stage}: step"
     # Compiles start, accumulate (on one micro-batch) and apply: one step on one row.
     acc = p.accumulate(params, p.start(params, placed[0], denoms, table), placed[0], denoms,
