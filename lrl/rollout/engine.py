@@ -40,6 +40,7 @@ D model width · G samples per prompt.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Optional
 
@@ -169,6 +170,30 @@ def _first_fit(prefixes, C: int) -> list[list[Prefix]]:
     return rows
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _place(rows_RCD, emb_TD, r, at, start, n):
+    """rows_RCD with row r's positions [at, at + n) set to emb_TD[start:start + n]: indices
+    traced, so one program per buffer and table shape, not one per prompt length (eager
+    slices, pads and concatenates compiled again for every new length)."""
+    C, T = rows_RCD.shape[1], emb_TD.shape[0]
+    j = jnp.arange(C)
+    src = jnp.clip(j - at + start, 0, T - 1)
+    row = jnp.where(((j >= at) & (j < at + n))[:, None],
+                    jnp.take(emb_TD, src, axis=0).astype(rows_RCD.dtype), rows_RCD[r])
+    return rows_RCD.at[r].set(row)
+
+
+def embed_rows(R: int, C: int, D: int, dtype, pieces) -> jax.Array:
+    """[R, C, D] prefill input embeddings, zero where no prompt is: `pieces` lists (row, at,
+    embeds [T, D], start, n), each writing embeds[start:start + n] at [at, at + n) of its row.
+    A prompt's embeddings may be longer than its tokens (`lrl.tasks.video` pads them to a
+    bucket); only [start, start + n) is read."""
+    out = jnp.zeros((R, C, D), dtype)
+    for r, at, emb, start, n in pieces:
+        out = _place(out, emb, np.int32(r), np.int32(at), np.int32(start), np.int32(n))
+    return out
+
+
 def _batches(rows: list, R: int) -> list[list]:
     return [rows[i:i + R] for i in range(0, len(rows), R)]
 
@@ -233,8 +258,9 @@ class Engine:
 
     # ---- prefill
     def reserve_prefix(self, tokens, embeds=None, positions=None) -> Prefix:
-        """Pages for a prompt; a multimodal one also gives its input embeddings [T, D] and
-        M-RoPE positions [3, T] (its last token must be text: it is decoded by token id)."""
+        """Pages for a prompt; a multimodal one also gives its input embeddings [T', D]
+        (T' >= T: rows past T, a length bucket's padding, are never read) and M-RoPE positions
+        [3, T] (its last token must be text: it is decoded by token id)."""
         tokens = np.asarray(tokens, np.int32)
         if tokens.ndim != 1 or tokens.size < 1:
             raise ValueError(f"a prompt must be a non-empty 1-D token sequence, got shape "
@@ -244,10 +270,11 @@ class Engine:
         if embeds is not None:
             positions = np.asarray(positions, np.int32)
             T = tokens.size
-            if embeds.shape != (T, self.cfg.d_model) or positions.shape != (3, T):
+            if (embeds.ndim != 2 or embeds.shape[0] < T or embeds.shape[1] != self.cfg.d_model
+                    or positions.shape != (3, T)):
                 raise ValueError(f"multimodal prompt of {T} tokens: embeds {embeds.shape} must "
-                                 f"be {(T, self.cfg.d_model)}, positions {positions.shape} "
-                                 f"must be {(3, T)}")
+                                 f"be ({T} or more, {self.cfg.d_model}), positions "
+                                 f"{positions.shape} must be {(3, T)}")
             if len(set(positions[:, -1].tolist())) != 1:
                 raise ValueError(f"multimodal prompt: its last token is not text (positions "
                                  f"{positions[:, -1].tolist()}); end prompts with a text token")
@@ -331,7 +358,7 @@ class Engine:
         tokens, positions, segments, pages, offsets = (np.zeros((R, C), np.int32)
                                                        for _ in range(5))
         rope = np.zeros((3, R, C), np.int32) if multimodal else None
-        parts = [[] for _ in range(R)]
+        pieces = []
         for r, row in enumerate(rows):
             at = 0
             for s, pre in enumerate(row, 1):
@@ -343,15 +370,10 @@ class Engine:
                 offsets[r, sl] = j % ps
                 if multimodal:
                     rope[:, r, sl] = pre.positions[:, :n]
-                    parts[r].append(pre.embeds[:n].astype(self.cfg.dtype))
+                    pieces.append((r, at, pre.embeds, 0, n))
                 at += n
-        embeds = None
-        if multimodal:
-            D = self.cfg.d_model
-            embeds = jnp.stack([jnp.pad(jnp.concatenate(p) if p else
-                                        jnp.zeros((0, D), self.cfg.dtype),
-                                        ((0, C - sum(x.shape[0] for x in p)), (0, 0)))
-                                for p in parts])
+        embeds = (embed_rows(R, C, self.cfg.d_model, self.cfg.dtype, pieces) if multimodal
+                  else None)
         return prefill_packed(self.cfg, e, params, kp, vp, tokens, positions, segments, pages,
                               offsets, embeds_BCD=embeds, rope_pos_3BC=rope)
 
@@ -368,19 +390,12 @@ class Engine:
             table[r] = self.page_row(pre.pages)
         embeds = rope = None
         if prefixes[0].embeds is not None:
-            D = self.cfg.d_model
             rope = np.zeros((3, B, C), np.int32)
-            parts = []
-            for r in range(B):
-                pre = prefixes[r] if r < len(prefixes) else None
-                n = int(n_valid[r])
-                if pre is not None:
-                    rope[:, r, :n] = pre.positions[:, start:start + n]
-                    e = pre.embeds[start:start + n].astype(self.cfg.dtype)
-                else:
-                    e = jnp.zeros((0, D), self.cfg.dtype)
-                parts.append(jnp.pad(e, ((0, C - n), (0, 0))))
-            embeds = jnp.stack(parts)
+            for r, pre in enumerate(prefixes):
+                rope[:, r, :n_valid[r]] = pre.positions[:, start:start + n_valid[r]]
+            embeds = embed_rows(B, C, self.cfg.d_model, self.cfg.dtype,
+                                [(r, 0, pre.embeds, start, int(n_valid[r]))
+                                 for r, pre in enumerate(prefixes)])
         return prefill_chunk(self.cfg, self.ecfg, params, kp, vp, tokens,
                              np.full(B, start, np.int32), n_valid, table, first=False,
                              embeds_BCD=embeds, rope_pos_3BC=rope)

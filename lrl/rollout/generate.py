@@ -11,9 +11,9 @@ pages and refills them from the waiting samples; once no sample waits, it collec
 while the next one runs. Sample g of prompt p draws its tokens with
 keys derived from (seed, p * num_samples + g, step), whatever slot it lands in.
 
-Multimodal prompts pass `prompt_embeds` (per prompt [T, D], visual rows spliced in) and
-`prompt_positions` (per prompt [3, T] M-RoPE positions); the prefill reads them once per
-prompt and its G samples decode at rotary position `index + rope delta`.
+Multimodal prompts pass `prompt_embeds` (per prompt [T', D], T' >= T, visual rows spliced
+in) and `prompt_positions` (per prompt [3, T] M-RoPE positions); the prefill reads them once
+per prompt and its G samples decode at rotary position `index + rope delta`.
 
 P prompts · G samples per prompt · B batch rows: the engine's slots · T query positions ·
 D model width.

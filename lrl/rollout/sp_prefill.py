@@ -40,7 +40,7 @@ from lrl.models.attention import attend
 from lrl.models.decoder import constrain
 from lrl.models.forward import ring_layout
 from lrl.models.vl import constrain_positions
-from lrl.rollout.engine import DecodeState, Engine, Prefix
+from lrl.rollout.engine import DecodeState, Engine, Prefix, embed_rows
 from lrl.rollout.pages import NULL_PAGE, page_of
 from lrl.rollout.steps import run_layers
 
@@ -111,16 +111,13 @@ def _call(engine: Engine, cfg, params, mesh, kp, vp, group: list[Prefix], rows: 
     embeds = positions = None
     if group[0].embeds is not None:
         positions = np.zeros((3, rows, T), np.int32)
-        parts = []
-        for r in range(rows):
-            pre = group[r] if r < len(group) else None
-            n = int(n_valid[r])
-            e = (pre.embeds[:n] if pre is not None else jnp.zeros((0, cfg.d_model)))
-            parts.append(jnp.pad(e.astype(cfg.dtype), ((0, T - n), (0, 0))))
-            if pre is not None:
-                positions[:, r, :n] = pre.positions[:, :n]
+        for r, pre in enumerate(group):
+            positions[:, r, :n_valid[r]] = pre.positions[:, :n_valid[r]]
         spec = mesh_lib.batch_spec(mesh, 2)
-        embeds = jax.device_put(jnp.stack(parts), NamedSharding(mesh, P(*spec, None)))
+        embeds = jax.device_put(
+            embed_rows(rows, T, cfg.d_model, cfg.dtype,
+                       [(r, 0, pre.embeds, 0, int(n_valid[r])) for r, pre in enumerate(group)]),
+            NamedSharding(mesh, P(*spec, None)))
         positions = jax.device_put(positions, NamedSharding(mesh, P(None, *spec)))
     tokens = jax.device_put(tokens, mesh_lib.batch_sharding(mesh, 2))
     fn = compiled_prefill(cfg, mesh, engine.ecfg.page_size, kp.sharding)

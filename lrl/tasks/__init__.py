@@ -34,7 +34,8 @@ class Prompt:
     answer: str                           # what the reward compares against
     meta: dict                            # passed to the reward functions (task, source, ...)
     text: str                             # the prompt as a person reads it (samples.jsonl)
-    embeds: Optional[Any] = None          # [T, D] input embeddings (multimodal prompts)
+    embeds: Optional[Any] = None          # [T', D] input embeddings (multimodal prompts),
+                                          # T' >= T: rows past T (a length bucket) unread
     positions: Optional[np.ndarray] = None  # [3, T] M-RoPE positions (multimodal prompts)
     visual: Optional[Any] = None          # the task's per-prompt data for its update rows
 

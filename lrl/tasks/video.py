@@ -18,6 +18,7 @@ R visual table rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Optional
@@ -289,9 +290,18 @@ def encode_batch(stage: VisionStage, vision_params, recs: list[dict]):
 
 # ----------------------------------------------------------------------------- prompts, rows
 
+EMBED_BUCKET = 256   # a prompt's input embeddings are computed for a multiple of this many
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _embed_prompt(text_cfg, text_params, ids_T, emb_RD, index_T):
+    return vl.embed_tokens(text_cfg, text_params, ids_T[None], emb_RD, index_T[None])[0]
+
+
 def visual_prompt(vl_cfg, text_params, tokenizer, rec: dict, item, emb) -> Prompt:
     """A record -> its Prompt: token ids [T] (the video pad expanded), input embeddings
-    [T, D] (its visual rows spliced in), M-RoPE positions [3, T]."""
+    [T', D] (its visual rows spliced in; T' is T rounded up to EMBED_BUCKET), M-RoPE
+    positions [3, T]."""
     ids = tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True,
                                         tokenize=True, return_dict=False)
     n = vl_cfg.tokens_per_item(item.grid_thw)
@@ -300,7 +310,13 @@ def visual_prompt(vl_cfg, text_params, tokenizer, rec: dict, item, emb) -> Promp
     pos, delta = vl.mrope_positions(vl_cfg, ids, video_grids=[item.grid_thw],
                                     video_seconds_per_grid=[item.seconds_per_grid])
     index = vl.visual_index(vl_cfg, ids[None], None, np.array([[-1, 0]]), np.array([[0, n]]))
-    embeds = vl.embed_tokens(vl_cfg.text, text_params, ids[None], emb, index)[0]
+    # Padded to a bucket of EMBED_BUCKET tokens and embedded in one compiled call: eager ops
+    # compiled again for every new prompt length, in every step. The rows past the prompt
+    # are never read (`lrl.rollout.engine.embed_rows` reads [0, cached)).
+    T = len(ids)
+    Tb = -(-T // EMBED_BUCKET) * EMBED_BUCKET
+    embeds = _embed_prompt(vl_cfg.text, text_params, np.pad(ids, (0, Tb - T)),
+                           emb, np.pad(index[0], (0, Tb - T), constant_values=-1))
     return Prompt(ids, rec["answer"], dict(task=rec["task"]), rec["prompt"], embeds=embeds,
                   positions=pos, visual=VisualRows(emb, n, pos, delta))
 
