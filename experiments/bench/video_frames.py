@@ -174,9 +174,9 @@ def update_row(ctx: dict, layout: str, prompt, table, args, seed: int) -> dict:
     placed = [mesh_lib.put_batch(mesh, mb) for mb in micro]
     p, params = u.programs, ctx["state"].params
     # The optimizer step compiles first, before the forward's buffers come and go, and that
-    # executable runs it: at 1,024 frames the jitted call compiled it after them and XLA's
-    # request for 88.6-89.9 GiB failed (the compiled program's own temporaries, read here,
-    # were 0 GiB on the H200 in a fresh process).
+    # executable runs it, so the temporaries read here are those of the program that runs.
+    # At 1,024 frames on one H200 they were 0 GiB, and yet its first run after the forward
+    # asked for 88.6 GiB and failed (BENCHMARKS.md, fourteenth session): not understood yet.
     t0 = time.perf_counter()
     stage = ctx["stage"]
     ctx["stage"] = f"{stage}: apply compile"
