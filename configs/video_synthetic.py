@@ -61,6 +61,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.video.min_tokens_per_frame = 4   # merged 28x28 tokens a frame may resize to
     c.video.max_tokens_per_frame = 16
     c.video.cache_dir = ""           # "" = in-memory embedding cache; a path = on disk too
+    c.video.cache_gib = 4.0          # device memory the in-memory cache holds at most (least
+                                     # recently used dropped; 0 = none kept, the disk's only)
     c.video.frame_axes = ""          # mesh axes the vision tower splits frames over; "" = all
     c.video.mrope_section = (2, 3, 3)  # (t, h, w) frequency sections, summing to head_dim / 2
     c.video.vision_depth = 2         # the random vision tower (a checkpoint brings its own)

@@ -372,6 +372,7 @@ class VideoOptions:
     min_tokens_per_frame: int = _opt(ge=1)
     max_tokens_per_frame: int = _opt(ge=1)
     cache_dir: str = _opt()
+    cache_gib: float = _opt(ge=0)       # device memory the in-memory embedding cache may hold
     frame_axes: str = _opt()
     mrope_section: tuple = _opt()
     vision_depth: int = _opt(ge=1)

@@ -274,3 +274,20 @@ def test_load_transformers_4_names(model, tmp_path):
         json.dump(cfg, f)
     with pytest.raises(ValueError, match="qwen2_vl"):
         vl_io.load_hf_vl(str(tmp_path))
+
+
+def test_the_in_memory_embedding_cache_is_bounded_by_bytes():
+    """`video.cache_gib`: the least recently used tables leave device memory first; what is
+    on disk stays readable."""
+    import jax.numpy as jnp
+    cache = embed_cache.EmbeddingCache(max_bytes=3 * 4 * 10)   # three [10] float32 tables
+    for k in "abc":
+        cache.put(k, jnp.zeros(10, jnp.float32))
+    assert cache.get("a") is not None and cache.bytes == 120   # "a" is now the newest
+    cache.put("d", jnp.zeros(10, jnp.float32))                  # drops "b", the oldest
+    assert not cache.contains("b") and all(cache.contains(k) for k in "acd")
+    cache.put("e", jnp.zeros(20, jnp.float32))                  # twice the size: two leave
+    assert [k for k in "acde" if cache.contains(k)] == ["d", "e"] and cache.bytes == 120
+    none = embed_cache.EmbeddingCache(max_bytes=0)
+    none.put("a", jnp.zeros(10, jnp.float32))
+    assert not none.contains("a") and none.bytes == 0

@@ -112,12 +112,16 @@ def item_key(item, settings_fingerprint: str, model_id: str) -> str:
 
 
 class EmbeddingCache:
-    """Embeddings by key: in memory (up to `max_items`, least recently used dropped) and, if
-    `directory` is given, as `<key>.npy` files shared between epochs and runs."""
+    """Embeddings by key: in device memory (up to `max_items` and `max_bytes`, least recently
+    used dropped: a 64-frame video's table is 117 MB at Qwen2.5-VL-7B's width, so a dataset of
+    a few hundred videos would fill an H200) and, if `directory` is given, as `<key>.npy` files
+    shared between epochs and runs."""
 
-    def __init__(self, directory: Optional[str] = None, max_items: int = 4096):
-        self.directory, self.max_items = directory, max_items
+    def __init__(self, directory: Optional[str] = None, max_items: int = 4096,
+                 max_bytes: Optional[int] = None):
+        self.directory, self.max_items, self.max_bytes = directory, max_items, max_bytes
         self._mem: OrderedDict[str, jax.Array] = OrderedDict()
+        self.bytes = 0
         self.hits = self.misses = 0
         if directory:
             os.makedirs(directory, exist_ok=True)
@@ -150,10 +154,18 @@ class EmbeddingCache:
             os.replace(tmp, self._file(key))
 
     def _remember(self, key, emb):
+        if key in self._mem:
+            self.bytes -= _nbytes(self._mem[key])
         self._mem[key] = emb
         self._mem.move_to_end(key)
-        while len(self._mem) > self.max_items:
-            self._mem.popitem(last=False)
+        self.bytes += _nbytes(emb)
+        while self._mem and (len(self._mem) > self.max_items or (
+                self.max_bytes is not None and self.bytes > self.max_bytes)):
+            self.bytes -= _nbytes(self._mem.popitem(last=False)[1])
+
+
+def _nbytes(x) -> int:
+    return int(x.size) * x.dtype.itemsize
 
 
 def prompt_embeddings(vcfg: VisionConfig, params, prompts_items: Sequence[Sequence],

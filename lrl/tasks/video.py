@@ -72,7 +72,7 @@ class VideoTask:
         self.stage = VisionStage(
             self.vl_cfg, vision_settings(self.vl_cfg, v),
             embed_cache.make_encoder(self.vl_cfg.vision, mesh, frame_axes=axes),
-            embed_cache.EmbeddingCache(v.cache_dir or None),
+            embed_cache.EmbeddingCache(v.cache_dir or None, max_bytes=int(v.cache_gib * 2**30)),
             opts.model.hf_path or f"random:{opts.seed}")
 
     # ---- model and data
