@@ -32,8 +32,7 @@ seq > 1), 7B masters are bf16, the lm head's log-prob chunk 2048.
   workdir) instead of a jsonl, at the config's largest frame (256 merged tokens), --frames
   frames a video (the config's 64), the config's shared prompt (auto), row length and
   minibatches; the vision tower at Qwen2.5-VL-7B's shapes, random (lrl's window and
-  full-attention blocks, not the checkpoint's: `VL_7B`). Compiles after step 1 are the
-  video prompts' eager ops: a new prompt length compiles ~10 small programs.
+  full-attention blocks, not the checkpoint's: `VL_7B`).
 - `long_context_ring` (configs/long_context_ring.py: Qwen2.5-7B on 128K rows, ring over 8
   GPUs): the synthetic key-value retrieval task's prompts of about 85-95% of --prompt
   tokens (16384), the config's answer cap (8192), 8 prompts x 8 and 64 slots.
