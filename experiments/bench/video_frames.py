@@ -174,9 +174,8 @@ def update_row(ctx: dict, layout: str, prompt, table, args, seed: int) -> dict:
     placed = [mesh_lib.put_batch(mesh, mb) for mb in micro]
     p, params = u.programs, ctx["state"].params
     # The optimizer step compiles first, before the forward's buffers come and go, and that
-    # executable runs it, so the temporaries read here are those of the program that runs.
-    # At 1,024 frames on one H200 they were 0 GiB, and yet its first run after the forward
-    # asked for 88.6 GiB and failed (BENCHMARKS.md, fourteenth session): not understood yet.
+    # executable runs it, so the temporaries read here are those of the program that runs
+    # (0 GiB at 1,024 frames on one H200).
     t0 = time.perf_counter()
     stage = ctx["stage"]
     ctx["stage"] = f"{stage}: apply compile"
@@ -191,6 +190,10 @@ def update_row(ctx: dict, layout: str, prompt, table, args, seed: int) -> dict:
                        table)
     del params
     ctx["state"], m = p.apply(ctx["state"], acc)
+    # The accumulator is not donated to apply: held here, its 14 GiB (7B, bf16) sat beside
+    # the timed step's own, and the 1,024-frame row's 88.6 GiB request for the forward's
+    # temporaries fell 0.1 GiB short of the device (BENCHMARKS.md, fourteenth session).
+    del acc
     jax.block_until_ready(m)
     out = {"compile_s": time.perf_counter() - t0,
            "apply_temp_gib": ctx["apply_temp_gib"]}
