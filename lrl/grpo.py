@@ -187,25 +187,24 @@ def minibatches(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray
             plan = packing.common_plan(distributed.allgather_objects(plan), cut)
         parts.append((packing.micro_batches(rows, cut, plan=plan), extra,
                       int(layout.get("shared", np.zeros(0, bool)).sum())))
-    if s.rl.update_measures_mismatch:
-        _measured_micro_batches(s.rl.mismatch_fraction, [micro for micro, _, _ in parts])
+    measured = (_measured_micro_batches(s.rl.mismatch_fraction, [m for m, _, _ in parts])
+                if s.rl.update_measures_mismatch else 0)
     out = []
-    for micro, extra, shared in parts:
+    for k, (micro, extra, shared) in enumerate(parts):
         denoms = _global_denominators(micro, s.max_len)
         tokens = int(sum((mb["segment_ids"] > 0).sum() for mb in micro))
-        measured = sum(bool(mb["response_pos"].any()) for mb in micro
-                       ) if s.rl.update_measures_mismatch else 0
         out.append(Minibatch([mesh_lib.put_batch(s.mesh, mb) for mb in micro], denoms, extra,
-                             tokens, sum(mb["tokens"].size for mb in micro), shared, measured))
+                             tokens, sum(mb["tokens"].size for mb in micro), shared,
+                             measured if k == 0 else 0))
     return out, truncated
 
 
-def _measured_micro_batches(fraction: float, micro_per_minibatch: list[list[dict]]) -> None:
+def _measured_micro_batches(fraction: float, micro_per_minibatch: list[list[dict]]) -> int:
     """Keeps `response_pos` (what makes the update measure the mismatch, `lrl.rl.update`) in
     a `fraction` share of the step's micro-batches, rounded up, spread evenly over the first
     minibatch's, the only ones that run under the weights that sampled (at most all of it),
     and zeroes it in the rest (in place: these are the host rows before placement). The
-    measure is free there, so the share only bounds it."""
+    measure is free there, so the share only bounds it. -> how many keep it."""
     first = micro_per_minibatch[0]
     total = sum(len(m) for m in micro_per_minibatch)
     n = min(len(first), math.ceil(fraction * total))
@@ -213,6 +212,7 @@ def _measured_micro_batches(fraction: float, micro_per_minibatch: list[list[dict
     for i, mb in enumerate(mb for m in micro_per_minibatch for mb in m):
         if i not in keep:
             mb["response_pos"] = np.zeros_like(mb["response_pos"])
+    return len(keep)
 
 
 def warm_up(s: Setup, params, batches: list[Minibatch]) -> None:
@@ -305,10 +305,8 @@ def old_and_ref_logps(s: Setup, params, batches: list[Minibatch]) -> list[Miniba
     return out
 
 
-# The mismatch sums of one micro-batch on the devices (its scalars leave them once a step);
-# response_pos is 1-based, 0 off the responses.
-_mismatch_sums = jax.jit(lambda trainer_BT, sampler_BT, pos_BT: mismatch.mismatch_sums(
-    trainer_BT, sampler_BT, pos_BT > 0, pos_BT - 1))
+# The mismatch sums of one micro-batch on the devices (its scalars leave them once a step).
+_mismatch_sums = jax.jit(mismatch.row_sums)
 
 
 def mismatch_metrics(s: Setup, batches: list[Minibatch]) -> dict:

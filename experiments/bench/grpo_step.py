@@ -400,12 +400,8 @@ def decode_rate(a, c, rows: list[dict]) -> dict:
     n = 32 if a.smoke else 128
     T = max(8, int(round(ctx - n / 2)))
     ro = sibling("rollout")
-    knobs = argparse.Namespace(page_size=c.rollout.page_size, prefill_chunk=32 if a.smoke
-                               else 4096, steps_per_call=4 if a.smoke else 32, layer_unroll=1,
-                               prefill_params="decode", hbm_tbs=a.hbm_tbs, attention=None,
-                               decode_block_pages=None, fused_decode=False, k_splits=None,
-                               pallas_warps=None, pallas_stages=None, kv_per_program=None,
-                               sampling=None)
+    knobs = ro.settings(["--smoke"] * a.smoke + ["--page-size", str(c.rollout.page_size),
+                                                 "--hbm-tbs", str(a.hbm_tbs)])
     cfg = _model_config(a, c)
     cfg = dataclasses.replace(cfg, param_dtype=cfg.dtype, remat="none")
     params = init_params(cfg, jax.random.key(0))

@@ -145,7 +145,7 @@ def bench_shared(cfg, params, spec, a):
                 new_tok_s=stats["new_tokens"] / total, unshared_measured_prompts=k)
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model and cases, for CPU")
     ap.add_argument("--cases", default=None, help="PxTxn,... (default 64x512x256,256x512x256,"
@@ -180,13 +180,24 @@ def main():
                     help="decode attention: pallas_gqa | pallas | xla (default: generate's)")
     ap.add_argument("--sampling", default=None,
                     help="the sampler's pass over the logits: pallas | xla (default: generate's)")
-    a = ap.parse_args()
+    return ap
+
+
+def settings(argv: list[str]) -> argparse.Namespace:
+    """The bench's settings from a command line (`[]`: its defaults), with the defaults that
+    depend on --smoke filled in: what `bench_case` reads (grpo_step.py measures with them)."""
+    a = parser().parse_args(argv)
+    a.prefill_chunk = a.prefill_chunk or (32 if a.smoke else 4096)
+    a.steps_per_call = a.steps_per_call or (4 if a.smoke else 32)
+    return a
+
+
+def main():
+    a = settings(sys.argv[1:])
     cases = (a.cases if a.cases is not None else
              "4x16x8,8x16x8,2x64x8" if a.smoke else "64x512x256,256x512x256,16x8192x256")
     cases = [c for c in cases.split(",") if c]
     shared = a.shared if a.shared is not None else "2x4x128x4" if a.smoke else "16x8x32768x32"
-    a.prefill_chunk = a.prefill_chunk or (32 if a.smoke else 4096)
-    a.steps_per_call = a.steps_per_call or (4 if a.smoke else 32)
 
     peer = run_peer(a.peer, cases) if a.peer else {}   # before jax claims the GPU
 

@@ -112,10 +112,11 @@ def smallest_shape(*, row_len: int, max_tokens: int, longest: Optional[int], uni
 NO_FIT = 1 << 62
 
 
-def out_of_memory(e: Exception) -> bool:
-    """Whether `e` (a compile's or a run's error) says the device ran out of memory."""
+def out_of_memory(e) -> bool:
+    """Whether `e` (a compile's or a run's error, or its text) says the device ran out of
+    memory."""
     text = str(e)
-    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
 def resolve(*, row_len: int, max_tokens: int, longest: Optional[int], unit: int,

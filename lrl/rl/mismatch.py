@@ -79,6 +79,13 @@ def mismatch_sums(trainer_logp_BT, sampler_logp_BT, mask_BT, response_pos_BT, *,
     return {k: jnp.stack(v) for k, v in out.items()}
 
 
+def row_sums(trainer_logp_BT, sampler_logp_BT, response_pos_BT) -> dict:
+    """`mismatch_sums` of packed update rows, whose `response_pos` is each token's 1-based
+    position in its response and 0 off the responses."""
+    return mismatch_sums(trainer_logp_BT, sampler_logp_BT, response_pos_BT > 0,
+                         response_pos_BT - 1)
+
+
 def combine_sums(a: dict, b: dict) -> dict:
     """The sums of two batches: maxima by max, everything else adds."""
     return {k: (np.maximum if k in MAX_KEYS else np.add)(np.asarray(a[k]), np.asarray(b[k]))

@@ -156,9 +156,7 @@ def _mismatch_sums(mb, logp_BT) -> dict:
     if "response_pos" not in mb:
         return {}
     sampler_BT = mb["rollout_logp"] if "rollout_logp" in mb else mb["old_logp"]
-    pos_BT = mb["response_pos"]
-    sums = mismatch.mismatch_sums(jax.lax.stop_gradient(logp_BT), sampler_BT, pos_BT > 0,
-                                  pos_BT - 1)
+    sums = mismatch.row_sums(jax.lax.stop_gradient(logp_BT), sampler_BT, mb["response_pos"])
     return {MISMATCH_SUMS + k: v for k, v in sums.items()}
 
 
