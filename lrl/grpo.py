@@ -410,6 +410,8 @@ def learn(s: Setup, state, groups: Groups, m: dict, before: Optional[dict] = Non
               "pack/seq_len_sq": float(np.sum(np.square(lengths, dtype=np.float64))),
               "advantage/abs_mean": float(np.abs(adv_PG).mean()),
               "pack/micro_batches": sum(len(b.micro) for b in batches),
+              # the micro-batch's shape: rows of this many tokens (shorter tail buckets aside)
+              "pack/row_len": s.row_len, "pack/rows_per_micro": s.rows_per_shard * s.shards,
               "pack/tokens": tokens, "pack/fill": tokens / max(slots, 1),
               "pack/truncated": truncated,
               # samples whose group's prompt their rows hold once (rl.shared_prompt)

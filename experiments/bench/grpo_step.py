@@ -49,9 +49,10 @@ trained tokens per second per GPU, whole-step MFU and the composition ratio:
   frames), and its time (`time/vision_s`) is in the host column;
 - the prediction the composition ratio divides by the step time: decode at the rollout
   bench's rate (`rollout.py`'s `bench_case`, run in this process after the loop) for full
-  slots at the run's mean context, prefill at --prefill-mfu, the update at --update-mfu (the
-  update bench's 60% at 16K-32K): what the parts' benchmarks give for the same tokens, with
-  no tail and no host gap. The table also gives the ratio with decode at --decode-frac of the
+  slots at the run's mean context, prefill at --prefill-mfu, the update at the update bench's
+  MFU (`train_step.py`'s `measure`, also run here after the loop) for one row of the run's
+  row length: what the parts' benchmarks give for the same tokens, with no tail and no host
+  gap. The table also gives the ratio with decode at --decode-frac of the
   HBM roofline (50%, the rollout bench's rate at 256 slots of 640 tokens), the prediction
   before the bench ran here; --decode-ms sets the bench's rate instead of measuring it.
 
@@ -299,7 +300,10 @@ def main():
                          "context (0: measure it after the run; with --table-from, 0 leaves "
                          "only the roofline prediction)")
     ap.add_argument("--prefill-mfu", type=float, default=0.74)
-    ap.add_argument("--update-mfu", type=float, default=0.60)
+    ap.add_argument("--update-mfu", type=float, default=0.0,
+                    help="the update's MFU in the prediction (0: measure the update bench's "
+                         "step, train_step.py's, at the run's row length after the run; with "
+                         "--table-from, 0 takes 0.60, that bench's rate at 16K-32K)")
     ap.add_argument("--workdir", default="/tmp/lrl-bench-grpo-step")
     ap.add_argument("--json", default="", help="also write the rows here")
     ap.add_argument("--partial", action="store_true",
@@ -347,6 +351,7 @@ def main():
         rewards.register("bench_coin")(_coin)
     c = make_config(a)
     if a.table_from:
+        a.update_mfu = a.update_mfu or 0.60
         return table(a, c, a.table_from, wall=float("nan"))
     build = loop.build_grpo
 
@@ -363,6 +368,8 @@ def main():
     if not a.decode_ms:
         bench = decode_rate(a, c, _step_rows(metrics_path))
         a.decode_ms = bench["step_ms"]
+    if not a.update_mfu:
+        a.update_mfu = update_rate(a, c, _step_rows(metrics_path))["mfu"]
     table(a, c, metrics_path, wall=wall)
 
 
@@ -414,6 +421,37 @@ def decode_rate(a, c, rows: list[dict]) -> dict:
     return r
 
 
+def update_rate(a, c, rows: list[dict]) -> dict:
+    """The update bench's step (`train_step.py`'s `measure`: one packed row, AdamW) at the
+    run's row length, for its model as the loop builds it (remat, dtypes, log-prob chunk,
+    fused head), after the loop in its process. Its MFU counts FLOPs as `flops_and_prediction`
+    does (6 N a token + 6 L D_att T^2, N without the input embedding), so the prediction
+    applies the rate the bench reached to the run's own FLOPs."""
+    import gc
+
+    import jax
+    from experiments.bench.profile import sibling
+    from lrl import mesh as mesh_lib
+    gc.collect()
+    T = int(rows[-1].get("pack/row_len") or c.rl.row_len)
+    cfg = _model_config(a, c)
+    # the bench's row is text: M-RoPE's sections change which frequencies rotate, not FLOPs
+    cfg = dataclasses.replace(cfg, mrope_section=())
+    mesh = mesh_lib.make_mesh({"fsdp": -1}, devices=jax.devices()[:1])
+    r = sibling("train_step").measure(cfg, mesh, T, repeats=2 if a.smoke else 3,
+                                      chunk=c.rl.logprob_chunk, packed=True,
+                                      fused_head=c.rl.fused_head)
+    D_att = cfg.n_heads * cfg.head_dim
+    embed = cfg.vocab_size * cfg.d_model
+    N = cfg.num_params() - embed * (1 if cfg.tie_embeddings else 2) + embed
+    flops = 6 * N * T + 6 * cfg.n_layers * D_att * T * T
+    r["mfu"] = flops / (r["step_s"] * a.peak_tflops * 1e12)
+    print(f"update bench at the run's row length: 1 x {T}, {r['step_s']:.3f} s a step, "
+          f"{r['mfu']:.1%} MFU ({cfg.remat} remat, compiled in {r['compile_s']:.1f} s)",
+          flush=True)
+    return r
+
+
 def table(a, c, metrics_path: str, wall: float):
     """The benchmark's table (and --json) from a run's metrics.jsonl."""
     import jax
@@ -426,7 +464,9 @@ def table(a, c, metrics_path: str, wall: float):
           f"{a.prompts} prompts x {a.group}, responses "
           f"log-normal mean {a.mean:.0f} cap {a.cap}, {a.slots} slots, "
           f"{'partial' if a.partial else 'synchronous'} rollout, tail decode "
-          f"{'all slots' if a.no_narrow else 'narrowed'}, wall {wall:.0f} s")
+          f"{'all slots' if a.no_narrow else 'narrowed'}, wall {wall:.0f} s; composition's "
+          f"decode at {a.decode_ms or float('nan'):.2f} ms a step of full slots, its update at "
+          f"{a.update_mfu:.1%} MFU")
     print("| step | s | rollout s | logprob s | update s | host s | gen tok | trained tok | "
           "resp mean | occupancy | row occ. | decode steps | ms/step | "
           "groups / carried / dropped | pack fill | "

@@ -46,10 +46,7 @@ def one(T: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
         uninit_scan=None) -> dict:
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from lrl import mesh as mesh_lib
-    from lrl.models.scan_buffers import UninitialisedScanJit
-    from lrl.rl import losses, optim, update
 
     dtype = jnp.float32 if smoke else jnp.bfloat16
     make = tiny if smoke else qwen25_15b
@@ -58,6 +55,23 @@ def one(T: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
     # seq > 1: the row's tokens split over `seq` devices (ring or ulysses attention)
     mesh = mesh_lib.make_mesh({"seq": seq} if seq > 1 else {"fsdp": -1},
                               devices=jax.devices()[:seq])
+    return {"lrl": True, "seq": T, "remat": remat, "attention": attention, "packed": packed,
+            "devices": seq, "fused_head": fused_head, "scan_layers": scan_layers,
+            **measure(cfg, mesh, T, repeats, chunk, packed, fused_head, uninit_scan)}
+
+
+def measure(cfg, mesh, T: int, repeats: int, chunk: int, packed: bool,
+            fused_head: bool = True, uninit_scan=None) -> dict:
+    """One row of T tokens through `update_step` for `cfg` on `mesh` (AdamW, as the loop's
+    default optimizer): seconds a step after the first, TFLOP/s a device by the peer's count,
+    compile time, peak memory. grpo_step.py calls it for the update bench's rate at its run's
+    row length."""
+    import jax
+    import numpy as np
+    from lrl import mesh as mesh_lib
+    from lrl.models.scan_buffers import UninitialisedScanJit
+    from lrl.rl import losses, optim, update
+
     tx = optim.make_optimizer(lr=1e-6, warmup_steps=1, total_steps=100)
     state = update.make_init_fn(cfg, tx, mesh)(jax.random.key(0))
     fn = update.make_update_fn(cfg, losses.LossConfig(), tx, mesh, chunk=chunk, packed=packed,
@@ -74,7 +88,7 @@ def one(T: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     if mem is not None:  # what XLA plans to hold, before any step runs
-        print("MEMORY " + json.dumps({"seq": T, "remat": remat, "compile_s": compile_s, **{
+        print("MEMORY " + json.dumps({"seq": T, "remat": cfg.remat, "compile_s": compile_s, **{
             k: getattr(mem, k) / 2**30 for k in ("temp_size_in_bytes", "argument_size_in_bytes",
                                                  "output_size_in_bytes", "alias_size_in_bytes")
             if hasattr(mem, k)}}), flush=True)
@@ -90,11 +104,10 @@ def one(T: int, remat: str, smoke: bool, repeats: int, attention: str, chunk: in
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     flops = (6 * n_params + 6 * cfg.n_layers * T * cfg.d_model) * T
     stats = jax.devices()[0].memory_stats() or {}
-    return {"lrl": True, "seq": T, "remat": remat, "attention": attention, "packed": packed,
-            "devices": seq, "fused_head": fused_head, "scan_layers": scan_layers,
-            "uninit_scan": isinstance(fn, UninitialisedScanJit), "step_s": dt,
-            "tokens_per_s": T / dt, "tflops": flops / dt / 1e12 / seq, "compile_s": compile_s,
-            "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+    n_dev = mesh.devices.size
+    return {"uninit_scan": isinstance(fn, UninitialisedScanJit), "step_s": dt,
+            "tokens_per_s": T / dt, "tflops": flops / dt / 1e12 / n_dev,
+            "compile_s": compile_s, "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
             "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
 
 
