@@ -189,17 +189,29 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                      # many tokens are prefilled sequence-parallel
         narrow_decode=True,          # the tail's decode calls compute only the live slots' rows
                                      # (programs for a quarter, a sixteenth, ... of the slots)
+        overlap_admission=True,      # while samples wait, launch the next decode call before
+                                     # collecting the last, so the host's bookkeeping runs
+                                     # while the device decodes (a freed slot is refilled a
+                                     # call later); False: collect each call, then refill
         # Partial rollouts: a step's rollout stops once rl.prompts_per_step groups have
         # finished (or partial_tokens are spent) instead of waiting for the longest sample;
         # the unfinished samples carry on in the next step under the new weights, each token
         # keeping the log-prob and version of the policy that drew it (text task only).
         partial=False,
         partial_tokens=0,            # decode tokens one step's rollout samples at most (checked
-                                     # after each decode call); 0 = stop on finished groups only
+                                     # after each decode call is collected, with the next one,
+                                     # overlap_admission's, in flight); 0 = stop on finished
+                                     # groups only
         partial_tail=0.0,            # also stop once no sample waits and fewer than this share
                                      # of the slots are live (the tail); 0 = never
         partial_seconds=0.0,         # also stop once the rollout has run this long (checked
                                      # after each decode call); 0 = no time budget
+        partial_backlog=0.0,         # > 0: new prompts are drawn until the unfinished samples
+                                     # fill the slots (at most a step's samples) and this many
+                                     # steps' samples wait behind them, to refill the slots the
+                                     # step's finishing samples free (fuller slots, older
+                                     # groups: more dropped at max_staleness); 0 = a batch while
+                                     # the slots are not full (they drain before the step stops)
         max_staleness=2,             # a carried group whose oldest token is more than this many
                                      # steps old is dropped (and counted), never trained
         partial_keep_kv=True))       # with partial: a carried sample's KV pages stay in the

@@ -114,7 +114,7 @@ def _generate(s: Setup, params, ids: list, *, group_size: int, seed: int,
         pool_tokens=s.rollout.pool_tokens or None, mesh=s.mesh, stats=stats,
         prefill_fn=s.prefill, engine=s.engine,
         decode_params=s.decode.refresh(params) if s.decode is not None else None,
-        max_new_fn=forced, **kw)
+        max_new_fn=forced, overlap_admission=s.rollout.overlap_admission, **kw)
 
 
 def _truncated(s: Setup, completions) -> np.ndarray:
@@ -321,10 +321,14 @@ def sample_and_score(s: Setup, params, raw, *, group_size: int, seed: int,
 
 
 def collect_partial(s: Setup, params, it, step: int, carry: tuple) -> tuple[Groups, dict, tuple]:
-    """Rollout + rewards for one step of partial rollouts: a new batch of prompts joins the
-    carried groups unless those alone hold `rl.prompts_per_step` complete groups or enough
-    unfinished samples to fill every slot (so the slots stay full while the in-flight work
-    stays bounded); the complete groups are scored. -> (groups, metrics, carry).
+    """Rollout + rewards for one step of partial rollouts: batches of new prompts join the
+    carried groups until the unfinished samples fill the slots (at most a step's samples)
+    and, waiting behind them, `rollout.partial_backlog` times a step's samples (`backlog`),
+    unless the carried groups alone hold `rl.prompts_per_step` complete ones; the complete
+    groups are scored.
+    -> (groups, metrics, carry). The waiting samples refill the slots that the step's
+    finishing samples free, so the rollout is not left decoding a draining batch (the tail)
+    before its groups are done; they hold no pages until admitted.
 
     With `rl.dynamic_sampling`, the rollout scores the groups as they complete and drops
     those whose rewards are all equal (`partial_rollout`'s keep_fn), drawing more batches
@@ -335,9 +339,13 @@ def collect_partial(s: Setup, params, it, step: int, carry: tuple) -> tuple[Grou
     new, m, draws = [], {}, 0
     complete = sum(g.complete for g in carry)
     unfinished = sum(not x.done for g in carry for x in g.samples)
-    if complete < s.rl.prompts_per_step and unfinished < s.rollout.max_slots:
-        new, m = s.task.prepare(params, next(it))
-        draws = 1
+    want = backlog(s.rollout, s.rl)
+    while (complete < s.rl.prompts_per_step and unfinished < want
+           and (s.rollout.partial_backlog > 0 or not draws)):
+        batch, bm = s.task.prepare(params, next(it))
+        new, m = new + batch, m or bm
+        unfinished += len(batch) * s.rl.group_size
+        draws += 1
     scored, reward_stats, score_s = [], {}, [0.0]
 
     def more() -> list:
@@ -378,6 +386,16 @@ def collect_partial(s: Setup, params, it, step: int, carry: tuple) -> tuple[Grou
         m.update(reward_stats)
         m.update(rollout_metrics(groups))
     return groups, m, carry
+
+
+def backlog(ro, rl_) -> int:
+    """Unfinished samples a partial step's rollout starts with at least: enough to fill the
+    slots (or a step's samples, where the slots hold more: in-flight work stays bounded by
+    what the steps train) and `rollout.partial_backlog` x a step's samples more, the slots'
+    refills while the step's groups finish. With 0, one batch is drawn while the slots are
+    not full (the slots then drain before the step stops)."""
+    step = rl_.prompts_per_step * rl_.group_size
+    return min(ro.max_slots, step) + math.ceil(ro.partial_backlog * step)
 
 
 def _add_reward_stats(total: dict, this: dict) -> None:

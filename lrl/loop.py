@@ -306,8 +306,10 @@ def _engine(r: Run, params, mesh, reserve: int = 0):
         # Long prompts in one whole-prompt call, unless sp_prefill takes them.
         whole_prefill=not _sequence_parallel_prefill(r, mesh))
     engine = rollout_lib.Engine(cfg, ecfg, mesh)
-    engine.keep_state(engine.compile_prefill(decode.params, engine.take_state(),
-                                             multimodal=r.task.multimodal))
+    state = engine.compile_prefill(decode.params, engine.take_state(),
+                                   multimodal=r.task.multimodal)
+    engine.keep_state(engine.compile_decode(decode.params, state,
+                                            num_steps=rollout_lib.STEPS_PER_CALL))
     tail = (f", tail decode calls of {'/'.join(map(str, ecfg.narrow_widths))} rows"
             if ecfg.narrow_widths else "")
     narrow = (f" (or {ecfg.prefill_narrow_rows} x {ecfg.prefill_chunk})"

@@ -310,11 +310,14 @@ class RolloutOptions:
     prefill_tokens: int = _opt(ge=16)   # tokens of one prefill call (rows x chunk)
     sp_min_tokens: int = _opt(ge=0)     # prompts this long prefill over seq (ring/ulysses)
     narrow_decode: bool = _opt()        # tail decode calls compute the live rows alone
+    overlap_admission: bool = _opt()    # keep a decode call in flight while samples wait too
     partial: bool = _opt()              # carry unfinished samples into the next step
     partial_tokens: int = _opt(ge=0)    # decode tokens a step samples at most; 0 = no budget
     partial_tail: float = _opt(ge=0, lt=1)   # stop once nothing waits and fewer than this
                                              # share of the slots are live; 0 = never
     partial_seconds: float = _opt(ge=0)  # a step's rollout stops after this long; 0 = no limit
+    partial_backlog: float = _opt(ge=0)  # samples waiting behind the full slots as a step
+                                         # starts, in steps' worth (rl.prompts_per_step x G)
     max_staleness: int = _opt(ge=0)     # policy versions a carried group may span, then dropped
     partial_keep_kv: bool = _opt()      # with partial: carried samples keep their KV pages in
                                         # the pool (else they are prefilled again)

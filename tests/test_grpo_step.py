@@ -83,6 +83,7 @@ def test_text_prompts_above_sp_min_tokens_prefill_over_seq(monkeypatch):
     rl = _rl(max_new_tokens=6, temperature=0.0)
     ro = options.RolloutOptions(page_size=8, max_slots=4, pool_tokens=0, pool_fraction=0.4,
                                 prefill_tokens=1024, sp_min_tokens=48, narrow_decode=True,
+                                overlap_admission=True, partial_backlog=0.0,
                                 partial=False,
                                 partial_tokens=0, partial_tail=0.0, partial_seconds=0.0,
                                 max_staleness=2,
@@ -144,6 +145,7 @@ def _mismatch_setup(rows_per_shard=1, **rl_kw):
     rl = _rl(max_new_tokens=8, **rl_kw)
     ro = options.RolloutOptions(page_size=4, max_slots=8, pool_tokens=0, pool_fraction=0.4,
                                 prefill_tokens=256, sp_min_tokens=0, narrow_decode=True,
+                                overlap_admission=True, partial_backlog=0.0,
                                 partial=False,
                                 partial_tokens=0, partial_tail=0.0, partial_seconds=0.0,
                                 max_staleness=2,

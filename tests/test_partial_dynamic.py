@@ -145,6 +145,7 @@ def test_tiny_loop_runs_partial_rollouts_with_dynamic_sampling(tmp_path, monkeyp
 def test_tiny_loop_runs_partial_rollouts_with_reinforce_pp(tmp_path, monkeypatch):
     c = _loop_config(monkeypatch, steps=5)
     c.rl.estimator = "reinforce_pp"
+    c.rollout.partial_backlog = 0.0   # no samples waiting: some steps finish fewer groups
     seen, real = [], grpo.advantages
     monkeypatch.setattr(grpo, "advantages", lambda groups, *a, **k: seen.append(
         (groups, real(groups, *a, **k))) or seen[-1][1])
@@ -158,3 +159,40 @@ def test_tiny_loop_runs_partial_rollouts_with_reinforce_pp(tmp_path, monkeypatch
                                    rtol=1e-5, atol=1e-6)
     assert all(np.isfinite(r["loss"]) for r in steps if r["partial/trained_groups"])
     assert [r["compiles/step"] for r in steps[2:]] == [0] * 3, [r["compiles/step"] for r in steps]
+
+
+def test_a_partial_step_draws_prompts_until_a_backlog_waits_behind_the_full_slots():
+    """`rollout.partial_backlog`: batches (of 2 groups x 2 samples) are drawn until the
+    unfinished samples fill the slots and that many steps' samples wait behind them; none
+    while the carried groups alone hold a step's complete groups; with 0, one batch while the
+    slots are not full."""
+    def run(backlog, slots):
+        s = _setup(max_slots=slots, partial_tokens=0, prompts_per_step=2)
+        s = dataclasses.replace(s, rollout=dataclasses.replace(s.rollout,
+                                                               partial_backlog=backlog),
+                                task=_Task(), tokenizer=_Tokenizer(), pool=_Pool(),
+                                max_new_fn=lambda key: 3)
+        it, carry, out = _batches(*[(f"a{i}", f"b{i}") for i in range(9)]), (), []
+        for step in range(3):
+            groups, m, carry = collect.collect_partial(s, _params(1), it, step, carry)
+            out.append((_answers(groups), m["partial/new_groups"],
+                        [g.prompt.answer for g in carry]))
+        return out
+
+    # Every sample ends in the first decode call, and the step stops once it is collected:
+    # 4 slots + 4 waiting: two batches, the second's groups carried unstarted, and a batch a
+    # step after that.
+    assert run(1.0, 4) == [(["a0", "b0"], 4, ["a1", "b1"]), (["a1", "b1"], 2, ["a2", "b2"]),
+                           (["a2", "b2"], 2, ["a3", "b3"])]
+    # 8 slots, more than a step's 4 samples: those 4 + 4 waiting, two batches; every sample
+    # gets a slot and finishes, so the next step has its two complete groups, draws none and
+    # decodes nothing.
+    assert run(1.0, 8) == [(["a0", "b0"], 4, ["a1", "b1"]), (["a1", "b1"], 0, []),
+                           (["a2", "b2"], 4, ["a3", "b3"])]
+    assert run(0.0, 4) == [(["a0", "b0"], 2, []), (["a1", "b1"], 2, []), (["a2", "b2"], 2, [])]
+    half = lambda slots: dataclasses.replace(_setup(max_slots=slots).rollout,  # noqa: E731
+                                             partial_backlog=0.5)
+    three = _setup(prompts_per_step=3).rl   # groups of 2: 6 samples a step
+    assert collect.backlog(half(4), three) == 4 + 3        # the slots + ceil(0.5 x 6)
+    assert collect.backlog(half(128), three) == 6 + 3      # a step's samples, not the slots'
+

@@ -467,3 +467,28 @@ def test_tail_decode_calls_on_the_live_rows_draw_the_same_tokens(tiny):
     assert narrow["row_occupancy"] > full["row_occupancy"] == full["slot_occupancy"]
     with pytest.raises(ValueError, match="narrow_widths"):
         EngineConfig(max_slots=4, narrow_widths=(4,))
+
+
+def test_overlapped_admission_draws_the_same_tokens(tiny):
+    """`overlap_admission`: while samples wait, the next decode call is launched before the
+    last is collected, so freed slots are refilled a call later; each sample still draws what
+    it draws when every call is collected at once (its keys are per sample and step), in a
+    pool small enough to preempt too, and nothing is left in the pool."""
+    _, cfg, params, _ = tiny("qwen2")
+    prompts = _prompts(cfg, [7, 3, 10, 6, 5, 9], seed=6)
+    kw = dict(max_new_tokens=24, num_samples=3, temperature=1.0, max_slots=4, seed=1,
+              **SMALL)
+    for pool in (None, 4 * 30):
+        at_once, overlapped = {}, {}
+        want = rollout.generate(cfg, params, prompts, pool_tokens=pool, stats=at_once, **kw)
+        got = rollout.generate(cfg, params, prompts, pool_tokens=pool, stats=overlapped,
+                               overlap_admission=True, **kw)
+        for a, b in zip(want, got):
+            for (ta, la), (tb, lb) in zip(a, b):
+                np.testing.assert_array_equal(ta, tb)
+                np.testing.assert_allclose(la, lb, atol=1e-5)
+        assert overlapped["sampled_tokens"] >= overlapped["new_tokens"] == at_once["new_tokens"]
+        # a freed slot idles through the call in flight: as many steps or more
+        assert overlapped["decode_steps"] >= at_once["decode_steps"]
+        if pool is not None:
+            assert overlapped.get("preempted", 0) + at_once.get("preempted", 0) > 0

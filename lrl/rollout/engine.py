@@ -350,6 +350,19 @@ class Engine:
             kp, vp = self._packed_call(params, kp, vp, [], 1, L, multimodal)
         return state._replace(k_pages=kp, v_pages=vp)
 
+    def compile_decode(self, params, state: DecodeState, num_steps: int) -> DecodeState:
+        """Runs each decode program of the run once, all slots and each of `narrow_widths`, on
+        a state with no live slot (its loop then runs no step), so that a run compiles them
+        with its engine, not in whichever step first has few slots live (a partial rollout
+        may go many steps before its first tail). -> the state."""
+        if np.any(np.asarray(state.active)):
+            raise ValueError("compile_decode: a slot is live; it runs on an idle state only")
+        rng = jax.random.key(0)
+        for width in (None,) + tuple(self.ecfg.narrow_widths):
+            state, _ = self.generate(params, state, rng, num_steps=num_steps,
+                                     rows=None if width is None else list(range(width)))
+        return state
+
     def _packed_call(self, params, kp, vp, rows, R: int, C: int, multimodal: bool):
         """One `prefill_packed` call [R, C]: `rows` (at most R) lists of prefixes sharing a
         row."""

@@ -36,6 +36,11 @@ from lrl.rollout.sampling import SamplingParams
 from lrl.rollout.steps import whole_prefill_lengths
 
 
+# Decode steps a call runs (fewer once no slot is live): a finished slot waits for the call's
+# end to be refilled, and each call costs the host a collection.
+STEPS_PER_CALL = 16
+
+
 def _check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
     out = []
     for i, p in enumerate(prompts):
@@ -137,7 +142,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
              max_slots: Optional[int] = None, pool_tokens: Optional[int] = None,
              pool_fraction: Optional[float] = None, prefill_chunk: Optional[int] = None,
              prefill_batch_tokens: int = 16384, whole_prefill: bool = True,
-             steps_per_call: int = 16, attention_impl: Optional[str] = None,
+             steps_per_call: int = STEPS_PER_CALL, attention_impl: Optional[str] = None,
              decode_block_pages: int = 4, prefill_block_pages: Optional[int] = None,
              pallas_k_splits: Optional[int] = None, pallas_warps: int = 4,
              pallas_stages: int = 1, pallas_kv_per_program: int = 1, layer_unroll: int = 1,
@@ -152,7 +157,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
              stop_fn: Optional[Callable[[list, int], bool]] = None,
              unfinished: Optional[list] = None, stop_below: int = 0,
              narrow_widths: Optional[Sequence[int]] = None, kept: Optional[Sequence] = None,
-             kept_out: Optional[dict] = None):
+             kept_out: Optional[dict] = None, overlap_admission: bool = False):
     """-> [P][G] list of (token ids int32, log-probs float32) per sample.
 
     Partial rollouts (`lrl.rollout.partial`): `samples_per_prompt` gives each prompt its own
@@ -181,6 +186,12 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
 
     `narrow_widths` (None: `engine_config`'s) are the narrower decode calls of the tail: once
     no sample waits and at most W slots are live, a call computes W rows, not all the slots.
+    Once no sample waits, the next decode call is launched before the last one is collected,
+    so the device does not idle while the host reads tokens back and grows pages;
+    `overlap_admission` does so while samples wait too: the slots a call frees are then
+    refilled a call later (their rows idle through one more call), and the host's collection,
+    admission and page growth, which otherwise leave the device idle between calls, run while
+    it decodes.
 
     A slot's pages grow with its sample, a decode call's worth ahead of it; when the pool
     runs short, the youngest samples are preempted (their pages freed) and run again from
@@ -286,13 +297,16 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     t_prefill = t_decode = 0.0
     prefilled = []         # the prompts prefilled, once for each prefix
     rope_delta = [0] * B
+    since = [0] * B        # the first decode call a slot's sample is in (calls numbered from 0)
+    launched = 0           # decode calls launched so far
     # Pages grow with the samples (a call's worth ahead) unless `reserve_pages`, in which case
     # each sample holds all it may write from the start: fewer samples fit, none is preempted.
     grow = not reserve_pages
 
     def collect(state, call):
-        """Appends a decode call's tokens to their samples; frees the slots that finished."""
-        out, width = call
+        """Appends a decode call's tokens to their samples; frees the slots that finished. A
+        slot filled after the call was launched (`overlap_admission`) is not in it."""
+        out, width, launched = call
         # Only transfers here: a jax op on `out` would queue behind the call in flight.
         tokens, logps, valid, active = jax.device_get(
             (out.tokens, out.logps, out.valid, out.active))
@@ -300,7 +314,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         tokens, logps, valid = tokens.T, logps.T, valid.T
         done = []
         for s in range(B):
-            if owner[s] is None:
+            if owner[s] is None or since[s] > launched:
                 continue
             v = valid[s]
             before = sum(len(c) for c in out_tokens[s])
@@ -427,6 +441,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             plans.append(plan)
             owner[slot], out_tokens[slot], out_logps[slot] = (p, g), [], []
             limit[slot], done_len[slot], rope_delta[slot] = n, T - 1, plan.rope_delta
+            since[slot] = launched
             admitted.append(slot)
             if grow:
                 keep += engine.pages_short(slot, min(T - 1 + 2 * steps_per_call + 1, T - 1 + n))
@@ -479,23 +494,24 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             if any(changed):
                 state = engine.with_page_table(state)
         st["host_grow_s"] += time.perf_counter() - t0
-        # Decode until a slot may have finished. While samples wait, collect this call at
-        # once: its freed slots are refilled before the next call. Once none wait, launch the
-        # next call first and collect the previous one while it runs, so the device does not
-        # idle while the host reads tokens back. With the decode loop's condition on the
-        # device (`steps._DECODE_OPTIONS`), steps were faster than when every call was
-        # collected before the next was launched (BENCHMARKS.md, "Sixth session", "Overlap").
+        # Decode until a slot may have finished. Once no sample waits (or always, with
+        # `overlap_admission`), launch the next call first and collect the previous one while
+        # it runs, so the device does not idle while the host reads tokens back; else collect
+        # this call at once, so that its freed slots are refilled before the next call. With
+        # the decode loop's condition on the device (`steps._DECODE_OPTIONS`), steps were
+        # faster than when every call was collected before the next was launched
+        # (BENCHMARKS.md, "Sixth session", "Overlap").
         # With no sample waiting, no slot fills before the next call: a call computes only the
         # live rows (a narrower program, `EngineConfig.narrow_widths`) once they fit one.
         rows = None if queue or redo else sorted(admitted)
         width = engine.width_for(len(rows)) if rows is not None else B
         state, out = engine.generate(dparams, state, rng, num_steps=steps_per_call,
                                      sampling=sampling, eos_ids=eos, rows=rows)
-        out = (out, width)
+        out, launched = (out, width, launched), launched + 1
         st["decode_calls"] += 1
         st["narrow_calls"] += width < B
         st["live_slots_at_calls"] += len(admitted)
-        if queue or redo:
+        if (queue or redo) and not overlap_admission:
             if in_flight is not None:
                 state, in_flight = collect(state, in_flight), None
             state = collect(state, out)
