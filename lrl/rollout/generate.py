@@ -203,7 +203,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     default enough for all prompts plus `max_slots` samples. `stats`, when a dict, is filled
     with timings and counts (prefill_s, decode_s, decode_steps, new_tokens, sampled_tokens
     (preempted ones included), occupancy, slot_occupancy, kv_token_steps,
-    peak_pages, pages_allocated, pages_unshared, ...) and blocks on the prefill to time it.
+    peak_pages, pages_allocated, pages_unshared, ...) and blocks on a prefill to time it when
+    no decode call is in flight (one launched behind a decode call counts in decode_s: the
+    wall time from the first decode call to the last collection, less the prefills timed).
     `pallas_k_splits` (None: from the slot count and the longest row, `k_splits`) splits each
     row's pages over that many programs of the GPU attention kernel, so a few long rows
     still fill the GPU and no program streams a whole long row alone;
@@ -294,7 +296,10 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
     out_tokens: dict[int, list] = {}
     out_logps: dict[int, list] = {}
     st = collections.Counter()
-    t_prefill = t_decode = 0.0
+    # decode_s: the wall time from the first decode call's launch to the last collection,
+    # less the prefills timed alone in it; so it holds the host's work between calls too.
+    t_prefill = t_prefill_decoding = 0.0
+    t_decode0 = None
     prefilled = []         # the prompts prefilled, once for each prefix
     rope_delta = [0] * B
     since = [0] * B        # the first decode call a slot's sample is in (calls numbered from 0)
@@ -462,9 +467,13 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             state = (engine.run_prefill(dparams, state, new_prefixes) if prefill_fn is None
                      else prefill_fn(engine, params, state, new_prefixes))
             if stats is not None:
-                jax.block_until_ready(state.k_pages)
-                t_prefill += time.perf_counter() - t0
                 st["prefill_rounds"] += 1   # admissions that prefilled
+                # Timed alone only with no decode call in flight (waiting on it would end the
+                # overlap); else it is in decode_s, as what the device ran between calls.
+                if in_flight is None:
+                    jax.block_until_ready(state.k_pages)
+                    t_prefill += time.perf_counter() - t0
+                    t_prefill_decoding += (time.perf_counter() - t0) * (t_decode0 is not None)
         if plans:
             state = engine.run_insert(state, plans)
         for pre in finished_prefixes:   # only now: its partial page has been copied
@@ -505,6 +514,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         # live rows (a narrower program, `EngineConfig.narrow_widths`) once they fit one.
         rows = None if queue or redo else sorted(admitted)
         width = engine.width_for(len(rows)) if rows is not None else B
+        if t_decode0 is None:
+            t_decode0 = time.perf_counter()
         state, out = engine.generate(dparams, state, rng, num_steps=steps_per_call,
                                      sampling=sampling, eos_ids=eos, rows=rows)
         out, launched = (out, width, launched), launched + 1
@@ -519,7 +530,6 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
             if in_flight is not None:
                 state = collect(state, in_flight)
             in_flight = out
-        t_decode += time.perf_counter() - t0
         if stop_fn is not None:
             done_now, finished_now[:] = list(finished_now), []
             tail = stop_below and not (queue or redo) and len(admitted) < stop_below
@@ -529,9 +539,9 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                 break
 
     if in_flight is not None:   # every slot finished before this call: it sampled nothing
-        t0 = time.perf_counter()
         state = collect(state, in_flight)
-        t_decode += time.perf_counter() - t0
+    t_decode = (0.0 if t_decode0 is None else
+                time.perf_counter() - t_decode0 - t_prefill_decoding)
     if stopped:   # what is live keeps its tokens so far; what waits has none
         live = [s for s in range(B) if owner[s] is not None]
         stopped_pg = [owner[s] for s in live]
