@@ -231,6 +231,13 @@ def lengths_fn(mean: float, cap: int, seed: int):
     return length
 
 
+def matmul_params(cfg) -> int:
+    """N of the FLOP count: the text decoder's parameters less the input embedding (a
+    lookup), the lm head counted (tied or not)."""
+    embed = cfg.vocab_size * cfg.d_model
+    return cfg.num_params() - embed * (1 if cfg.tie_embeddings else 2) + embed
+
+
 def flops_and_prediction(row, cfg, a, decode_step_s=None):
     """(whole-step FLOPs, the parts' predicted seconds, their decode seconds) for one step's
     metrics row: decode at `decode_step_s` a step of full slots, else at --decode-frac of the
@@ -238,7 +245,7 @@ def flops_and_prediction(row, cfg, a, decode_step_s=None):
     from lrl.rollout.pages import kv_bytes_per_token
     D_att = cfg.n_heads * cfg.head_dim
     embed = cfg.vocab_size * cfg.d_model
-    N = cfg.num_params() - embed * (1 if cfg.tie_embeddings else 2) + embed   # + lm head
+    N = matmul_params(cfg)
     trained = row["pack/tokens"]
     generated = row["rollout/new_tokens"]
     prefilled = row["rollout/prefill_tokens"]
@@ -442,9 +449,7 @@ def update_rate(a, c, rows: list[dict]) -> dict:
                                       chunk=c.rl.logprob_chunk, packed=True,
                                       fused_head=c.rl.fused_head)
     D_att = cfg.n_heads * cfg.head_dim
-    embed = cfg.vocab_size * cfg.d_model
-    N = cfg.num_params() - embed * (1 if cfg.tie_embeddings else 2) + embed
-    flops = 6 * N * T + 6 * cfg.n_layers * D_att * T * T
+    flops = 6 * matmul_params(cfg) * T + 6 * cfg.n_layers * D_att * T * T
     r["mfu"] = flops / (r["step_s"] * a.peak_tflops * 1e12)
     print(f"update bench at the run's row length: 1 x {T}, {r['step_s']:.3f} s a step, "
           f"{r['mfu']:.1%} MFU ({cfg.remat} remat, compiled in {r['compile_s']:.1f} s)",
