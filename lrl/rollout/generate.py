@@ -538,8 +538,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                 st["stopped_in_tail"] = int(bool(tail))
                 break
 
-    if in_flight is not None:   # every slot finished before this call: it sampled nothing
-        state = collect(state, in_flight)
+    if in_flight is not None:   # the last call: nothing if every slot had finished before
+        state = collect(state, in_flight)   # it, else (a stop) its tokens are the samples' too
     t_decode = (0.0 if t_decode0 is None else
                 time.perf_counter() - t_decode0 - t_prefill_decoding)
     if stopped:   # what is live keeps its tokens so far; what waits has none
