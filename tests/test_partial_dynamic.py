@@ -195,4 +195,3 @@ def test_a_partial_step_draws_prompts_until_a_backlog_waits_behind_the_full_slot
     three = _setup(prompts_per_step=3).rl   # groups of 2: 6 samples a step
     assert collect.backlog(half(4), three) == 4 + 3        # the slots + ceil(0.5 x 6)
     assert collect.backlog(half(128), three) == 6 + 3      # a step's samples, not the slots'
-

@@ -473,7 +473,7 @@ def test_overlapped_admission_draws_the_same_tokens(tiny):
     """`overlap_admission`: while samples wait, the next decode call is launched before the
     last is collected, so freed slots are refilled a call later; each sample still draws what
     it draws when every call is collected at once (its keys are per sample and step), in a
-    pool small enough to preempt too, and nothing is left in the pool."""
+    pool small enough to preempt too."""
     _, cfg, params, _ = tiny("qwen2")
     prompts = _prompts(cfg, [7, 3, 10, 6, 5, 9], seed=6)
     kw = dict(max_new_tokens=24, num_samples=3, temperature=1.0, max_slots=4, seed=1,

@@ -472,8 +472,10 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
                 # overlap); else it is in decode_s, as what the device ran between calls.
                 if in_flight is None:
                     jax.block_until_ready(state.k_pages)
-                    t_prefill += time.perf_counter() - t0
-                    t_prefill_decoding += (time.perf_counter() - t0) * (t_decode0 is not None)
+                    dt = time.perf_counter() - t0
+                    t_prefill += dt
+                    if t_decode0 is not None:
+                        t_prefill_decoding += dt
         if plans:
             state = engine.run_insert(state, plans)
         for pre in finished_prefixes:   # only now: its partial page has been copied
