@@ -312,8 +312,8 @@ def _engine(r: Run, params, mesh, reserve: int = 0):
                                             num_steps=rollout_lib.STEPS_PER_CALL))
     tail = (f", tail decode calls of {'/'.join(map(str, ecfg.narrow_widths))} rows"
             if ecfg.narrow_widths else "")
-    narrow = (f" (or {ecfg.prefill_narrow_rows} x {ecfg.prefill_chunk})"
-              if ecfg.prefill_narrow_rows else "")
+    narrow = "".join(f" (or {r} x {c})" for r, c in (
+        (ecfg.prefill_narrow_rows, ecfg.prefill_chunk), (1, ecfg.prefill_short_chunk)) if r * c)
     whole = (f", longer prompts whole in calls of 1 x {'/'.join(map(str, ecfg.prefill_lengths))}"
              if ecfg.prefill_lengths else "")
     r.writer.note(f"rollout engine: {ro.max_slots} slots, a pool of {num_pages * ps} tokens "

@@ -13,6 +13,8 @@ for N steps at a real model's shapes, random weights, with a controlled response
     python experiments/bench/grpo_step.py --case long_context_ring --steps 3 --prompt 16384
         # Qwen2.5-7B, bf16 masters, one H200: 8 prompts x 8 of ~15K tokens (not ~120K),
         # answers mean 2048 cap 8192, 64 slots
+    python experiments/bench/grpo_step.py --case short --steps 6 --partial --profile-step 5
+        # ... and how step 5 used the device: busy share, time per program, idle gaps
     python experiments/bench/grpo_step.py --smoke                   # CPU, tiny, checks it runs
     python experiments/bench/grpo_step.py --smoke --case video_qa   # (or long_context_ring)
 
@@ -311,6 +313,10 @@ def main():
                     help="the update's MFU in the prediction (0: measure the update bench's "
                          "step, train_step.py's, at the run's row length after the run; with "
                          "--table-from, 0 takes 0.60, that bench's rate at 16K-32K)")
+    ap.add_argument("--skip-rates", action="store_true",
+                    help="measure neither the decode nor the update rate after the run: no "
+                         "composition column but the roofline one (whose update runs at "
+                         "--update-mfu, else 60%%)")
     ap.add_argument("--workdir", default="/tmp/lrl-bench-grpo-step")
     ap.add_argument("--json", default="", help="also write the rows here")
     ap.add_argument("--partial", action="store_true",
@@ -330,6 +336,10 @@ def main():
                          "whose fp32 masters and Adam moments do not fit one H200)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override after the bench's own, e.g. model.remat=full")
+    ap.add_argument("--profile-step", type=int, default=0,
+                    help="trace GRPO step K with jax.profiler and print how it used the device "
+                         "(busy, time per program, idle gaps between which programs)")
+    ap.add_argument("--profile-dir", default="/tmp/lrl-bench-grpo-step-trace")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--table-from", default="",
                     help="print the table of a run's metrics.jsonl (one cut short, say) "
@@ -366,18 +376,48 @@ def main():
         return dataclasses.replace(build(*args), max_new_fn=lengths_fn(a.mean, a.cap, 0))
 
     loop.build_grpo = with_lengths
+    if a.profile_step:
+        loop.grpo.step = traced(loop.grpo.step, a.profile_step, a.profile_dir)
     import shutil
     shutil.rmtree(a.workdir, ignore_errors=True)
     t0 = time.time()
     loop.run(c, a.workdir)
     wall = time.time() - t0
     metrics_path = os.path.join(a.workdir, "metrics.jsonl")
-    if not a.decode_ms:
+    if a.skip_rates:   # the roofline column only
+        a.update_mfu = a.update_mfu or 0.60
+    if not (a.decode_ms or a.skip_rates):
         bench = decode_rate(a, c, _step_rows(metrics_path))
         a.decode_ms = bench["step_ms"]
     if not a.update_mfu:
         a.update_mfu = update_rate(a, c, _step_rows(metrics_path))["mfu"]
     table(a, c, metrics_path, wall=wall)
+    if a.profile_step:
+        from experiments.bench.profile import timeline
+        print(f"\nGRPO step {a.profile_step} as the device ran it:\n" +
+              timeline(a.profile_dir), flush=True)
+
+
+def traced(step_fn, k: int, log_dir: str):
+    """`grpo.step` with its k-th call (1-based) traced by jax.profiler into `log_dir`."""
+    import shutil
+
+    import jax
+    calls = [0]
+
+    def step(*args, **kw):
+        calls[0] += 1
+        if calls[0] != k:
+            return step_fn(*args, **kw)
+        shutil.rmtree(log_dir, ignore_errors=True)
+        jax.profiler.start_trace(log_dir)
+        try:
+            out = step_fn(*args, **kw)
+            jax.block_until_ready(out[0])
+        finally:
+            jax.profiler.stop_trace()
+        return out
+    return step
 
 
 def _step_rows(metrics_path: str) -> list[dict]:

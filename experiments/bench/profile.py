@@ -164,6 +164,60 @@ def summarize(log_dir: str, hlo_text: str = "", top: int = 25, module: str = "",
     return "\n".join(out)
 
 
+def _module(name: str) -> str:
+    """An XLA module event's program: its name less the run's numbering (`jit_f(12)`)."""
+    return re.sub(r"\(\d+\)$", "", name)
+
+
+def timeline(log_dir: str, top: int = 12) -> str:
+    """Markdown: how a traced span of a run (a whole GRPO step, say) used the device. The
+    span runs from the first device event to the last; busy is the union of the XLA modules'
+    executions on the device, idle the rest; time per program (calls, ms, ms a call), and the
+    idle gaps summed by the programs either side of them, the largest first (what the device
+    waited for between which calls)."""
+    lines = device_lines(load_trace(log_dir))
+    dev = {k: v for k, v in lines.items() if re.search(r"/device:|GPU", k[0])
+           and "TPU" not in k[0] and "CPU" not in k[0]}
+    listing = "device lines: " + "; ".join(f"{p} / {t}: {len(v)}" for (p, t), v in
+                                           sorted(dev.items()))
+    # Whole programs where the profiler draws them; else their kernels, named by the module
+    # each ran in (a GPU kernel event's args name its HLO module).
+    mods = [e for (p, t), v in dev.items() if "Modules" in t for e in v]
+    if not mods:
+        mods = [dict(e, name=str(e.get("args", {}).get("hlo_module") or e["name"]))
+                for (p, t), v in dev.items() if "Ops" in t or "Stream" in t for e in v]
+    mods.sort(key=lambda e: e["ts"])
+    if not mods:
+        return "(no XLA module or kernel events on a device line in the trace)\n" + listing
+    span = max(e["ts"] + e["dur"] for e in mods) - mods[0]["ts"]
+    busy, gaps, end, prev = 0.0, collections.Counter(), mods[0]["ts"], None
+    gap_n = collections.Counter()
+    for e in mods:
+        if e["ts"] > end and prev is not None:
+            key = (_module(prev["name"]), _module(e["name"]))
+            gaps[key] += e["ts"] - end
+            gap_n[key] += 1
+        start = max(e["ts"], end)
+        busy += max(0.0, e["ts"] + e["dur"] - start)
+        if e["ts"] + e["dur"] >= end:
+            end, prev = e["ts"] + e["dur"], e
+    out = [f"span {span / 1e3:.1f} ms: device busy {busy / 1e3:.1f} ms ({busy / span:.1%}), "
+           f"idle {(span - busy) / 1e3:.1f} ms", "",
+           "| program | calls | ms | ms a call | share of span |", "|---|---|---|---|---|"]
+    per, n = collections.Counter(), collections.Counter()
+    for e in mods:
+        per[_module(e["name"])] += e["dur"]
+        n[_module(e["name"])] += 1
+    for name, d in per.most_common(top):
+        out.append(f"| {name[:60]} | {n[name]} | {d / 1e3:.1f} | {d / 1e3 / n[name]:.3f} | "
+                   f"{d / span:.1%} |")
+    out += ["", "| idle gap after -> before | gaps | ms | ms a gap |", "|---|---|---|---|"]
+    for (a, b), d in gaps.most_common(top):
+        out.append(f"| {a[:40]} -> {b[:40]} | {gap_n[(a, b)]} | {d / 1e3:.1f} | "
+                   f"{d / 1e3 / gap_n[(a, b)]:.3f} |")
+    return "\n".join(out + ["", listing])
+
+
 # ----------------------------------------------------------------------------- workloads
 
 def timed(fn, *args, repeats=3):

@@ -296,9 +296,11 @@ class Engine:
         than C, chunk after chunk of C tokens, one prompt a row, attending to the pages
         already written (`prefill_chunk`). Multimodal prompts (embeddings in, not ids) go in
         calls of their own. With `prefill_rows` set (an engine built for a run,
-        `engine_config`) every packed call is [prefill_rows, prefill_chunk], so no mix of
-        prompt lengths compiles anew; without it a call is sized to its prompts (C a power of
-        two up to prefill_chunk, R a power of two within prefill_batch_tokens)."""
+        `engine_config`) every packed call is [prefill_rows, prefill_chunk] (or
+        [prefill_narrow_rows, C], or [1, prefill_short_chunk] a row for a few short text
+        prompts), so no mix of prompt lengths compiles anew; without it a call is sized to its
+        prompts (C a power of two up to prefill_chunk, R a power of two within
+        prefill_batch_tokens)."""
         kp, vp = state.k_pages, state.v_pages
         todo = [p for p in prefixes if p.cached > 0]
         e = self.ecfg
@@ -318,6 +320,13 @@ class Engine:
                 continue
             rows = _first_fit(group, C)
             R = self._rows(C, len(rows), narrow=not multimodal)
+            S = e.prefill_short_chunk
+            if S and not multimodal and max(p.cached for p in group) <= S:
+                short = _first_fit(group, S)
+                if 2 * len(short) * S <= R * C:   # no prompt is longer than S: done here
+                    for row in short:
+                        kp, vp = self._packed_call(params, kp, vp, [row], 1, S, False)
+                    continue
             for part in _batches(rows, R):
                 kp, vp = self._packed_call(params, kp, vp, part, R, C, multimodal)
             for k in range(1, max(-(-p.cached // C) for p in group)):
@@ -346,6 +355,8 @@ class Engine:
         kp, vp = state.k_pages, state.v_pages
         for R in sorted({e.prefill_rows, e.prefill_narrow_rows} - {0}):
             kp, vp = self._packed_call(params, kp, vp, [], R, e.prefill_chunk, False)
+        if e.prefill_short_chunk:
+            kp, vp = self._packed_call(params, kp, vp, [], 1, e.prefill_short_chunk, False)
         for L in e.prefill_lengths:
             kp, vp = self._packed_call(params, kp, vp, [], 1, L, multimodal)
         return state._replace(k_pages=kp, v_pages=vp)

@@ -86,8 +86,10 @@ def engine_config(cfg: ModelConfig, *, max_prompt_len: int, max_new_tokens: int,
     `num_pages`. A prefill call is [R, C]: C = `prefill_chunk` (None: the longest prompt's
     cached tokens, a power of two from 16 to 4096), R = `prefill_tokens` // C, and no more
     rows than `max_prompts` prompts fill (when given); calls that fill an eighth of R or less
-    take R/8 rows. `narrow_widths` (None: a quarter of the
-    slots, a sixteenth, ..., down to 16 rows) are the tail's narrower decode calls.
+    take R/8 rows; where C is 4x or more the longest prompt (`resumed_prompts`), a few fresh
+    prompts go in calls [1, S], S the longest prompt's tokens as a power of two.
+    `narrow_widths` (None: a quarter of the slots, a sixteenth, ..., down to 16 rows) are the
+    tail's narrower decode calls.
     `resumed_prompts`: a prompt may come back with its sample's tokens so far (partial
     rollouts), up to `max_prompt_len + max_new_tokens - 1` tokens, and C is sized for that: a
     carried sample in one packed row, not chunk after chunk through the paged path
@@ -103,11 +105,14 @@ def engine_config(cfg: ModelConfig, *, max_prompt_len: int, max_new_tokens: int,
         rows = min(rows, 1 << max(0, max_prompts - 1).bit_length())
     if prefill_block_pages is None:
         prefill_block_pages = max(1, 1024 // page_size)
+    # Fresh prompts' own chunk, where C is sized for much longer (resumed) ones.
+    short = max(16, 1 << max(0, max_prompt_len - 2).bit_length())
     return EngineConfig(
         page_size=page_size, num_pages=num_pages, max_slots=max_slots,
         max_pages_per_slot=pages_for(max_prompt_len + max_new_tokens - 1, page_size),
         prefill_chunk=prefill_chunk, prefill_rows=rows,
         prefill_narrow_rows=rows // 8 if rows >= 8 else 0,
+        prefill_short_chunk=short if 4 * short <= prefill_chunk else 0,
         prefill_batch_tokens=rows * prefill_chunk,
         prefill_lengths=(whole_prefill_lengths(prefill_chunk, longest - 1, prefill_tokens)
                          if whole_prefill else ()),

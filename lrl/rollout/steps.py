@@ -42,6 +42,13 @@ class EngineConfig:
     # [prefill_narrow_rows, C] instead (0: never). Slots freed during a rollout admit a prompt
     # or two at a time; a call of every row cost them as much as a full one.
     prefill_narrow_rows: int = 0
+    # With prefill_rows: text prompts that each fit S = prefill_short_chunk tokens go in calls
+    # [1, S] (one a packed row of S) when those hold at most half the tokens of the call they
+    # replace (0: never). C is sized for the longest prompt a run may prefill (a carried
+    # sample's tokens so far, with partial rollouts), so a call of C rows for a few fresh
+    # prompts of tens of tokens computed C tokens each time (11 ms of a 1.5B model's step, a
+    # dozen times a rollout: BENCHMARKS.md, "Fifteenth session").
+    prefill_short_chunk: int = 0
     # Tokens of one prefill call (R x C when prefill_rows is 0): 256 prompts of 512 tokens
     # prefilled faster in calls of 16,384 tokens than of 4,096 (BENCHMARKS.md, "Fifth
     # session", "Prefill: decode-layout weights and wider calls").
@@ -94,6 +101,10 @@ class EngineConfig:
         if self.prefill_narrow_rows and not 0 < self.prefill_narrow_rows < self.prefill_rows:
             raise ValueError(f"prefill_narrow_rows must be 0 or in [1, prefill_rows="
                              f"{self.prefill_rows}), got {self.prefill_narrow_rows}")
+        S = self.prefill_short_chunk
+        if S and (S & (S - 1) or S >= self.prefill_chunk or not self.prefill_rows):
+            raise ValueError(f"prefill_short_chunk must be 0 or, with prefill_rows, a power of "
+                             f"two below prefill_chunk={self.prefill_chunk}, got {S}")
         if list(self.prefill_lengths) != sorted(set(self.prefill_lengths)) or any(
                 n <= self.prefill_chunk for n in self.prefill_lengths):
             raise ValueError(f"prefill_lengths must be increasing and longer than "
