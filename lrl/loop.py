@@ -27,7 +27,7 @@ from lrl import pipeline as pipeline_lib
 from lrl import mesh as mesh_lib
 from lrl import options as options_lib
 from lrl.metrics import MetricsWriter
-from lrl.models.flash import MAX_SEGMENTS
+from lrl.models import flash as flash_lib
 from lrl.options import as_dict
 from lrl.rl import budget as budget_lib
 from lrl.rl import train as train_lib
@@ -166,6 +166,17 @@ def sft_phase(r: Run, state, tx, steps: int, data_state: dict):
 
 # ----------------------------------------------------------------------------- GRPO
 
+def update_model_config(cfg, rl_, sizes: dict):
+    """The model config the update (and its log-prob pass) runs: `cfg` with the runs a row
+    may hold on cuDNN's packed attention (`flash.segments_for`) for the rows' length, which is
+    fixed before memory sets how many rows a micro-batch holds (`budget.smallest_shape`); one
+    shared group (`rl.shared_prompt`), its prefix and the padding fit a row at least."""
+    row_len = budget_lib.smallest_shape(**sizes)[1]
+    least = 2 if rl_.shared_prompt == "off" else rl_.group_size + 2
+    return cfg.replace(max_segments=flash_lib.segments_for(row_len, cfg.n_heads, cfg.head_dim,
+                                                           least=least))
+
+
 def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
     """The GRPO step's compiled programs and fixed inputs, built once for the phase: the
     update for the micro-batch shapes (its token budget from the config or from device
@@ -174,17 +185,18 @@ def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
     opts, task, mesh = r.opts, r.task, r.mesh
     rl_ = opts.rl
     loss_cfg = ex.loss_config(opts)
+    sizes = dict(row_len=rl_.row_len, max_tokens=rl_.max_tokens_per_micro,
+                 longest=options_lib.longest_sample(opts),
+                 unit=sp_prefill.length_unit(opts.model.attention, mesh.shape["seq"]))
+    cfg = update_model_config(task.model_cfg, rl_, sizes)
     kw = dict(chunk=rl_.logprob_chunk, hidden=task.hidden, extra_keys=task.extra_keys)
-    update = update_lib.make_update_programs(task.model_cfg, loss_cfg, tx, mesh,
+    update = update_lib.make_update_programs(cfg, loss_cfg, tx, mesh,
                                              fused_head=rl_.fused_head, **kw)
     shards = ex.data_shards(mesh)
     kl = bool(loss_cfg.kl_coef)
     # The frozen reference (the policy as this phase starts), made first: it takes memory.
     ref_params = jax.tree.map(lambda x: x.copy(), state.params) if kl else None
     memory = budget_lib.device_memory(jax.local_devices()[0])
-    sizes = dict(row_len=rl_.row_len, max_tokens=rl_.max_tokens_per_micro,
-                 longest=options_lib.longest_sample(opts),
-                 unit=sp_prefill.length_unit(opts.model.attention, mesh.shape["seq"]))
 
     def spec(rows_per_shard, row_len):
         return grpo.micro_batch_spec(rl_, task, mesh, shards * rows_per_shard, row_len, kl)
@@ -227,10 +239,11 @@ def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
     lengths = budget_lib.row_lengths(budget.row_len, sizes["unit"])
     tail = (f"; a minibatch's last rows in rows of {'/'.join(map(str, lengths[1:]))} tokens"
             if len(lengths) > 1 else "")
-    r.writer.note(f"update micro-batch: {budget.describe()}{tail}")
+    r.writer.note(f"update micro-batch: {budget.describe()}{tail}, at most "
+                  f"{cfg.max_segments - 1} sequences a row")
     logp_fn = None
     if rl_.old_logp == "trainer" or kl:
-        logp_fn = update_lib.make_logprobs_fn(task.model_cfg, mesh, **kw)
+        logp_fn = update_lib.make_logprobs_fn(cfg, mesh, **kw)
     prefill = None
     if _sequence_parallel_prefill(r, mesh):
         prefill = sp_prefill.make_prefill(mesh, opts.rollout.sp_min_tokens)
@@ -238,8 +251,8 @@ def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
         rl=rl_, rollout=opts.rollout, seed=opts.seed, task=task, tokenizer=task.tokenizer,
         model_cfg=task.model_cfg, mesh=mesh, eos_ids=r.eos_ids, pool=pool, update=update,
         logprobs=logp_fn, shards=shards, row_len=budget.row_len,
-        # A row of MAX_SEGMENTS sequences would have one run more: its padding.
-        rows_per_shard=budget.rows_per_shard, max_segments=MAX_SEGMENTS - 1,
+        # A row of max_segments sequences would have one run more: its padding.
+        rows_per_shard=budget.rows_per_shard, max_segments=cfg.max_segments - 1,
         buckets=lengths[1:],
         max_len=loss_cfg.max_len, prefill=prefill, engine=engine, decode=decode,
         # The frozen reference: the policy as this phase starts.

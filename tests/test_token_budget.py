@@ -4,6 +4,7 @@ number of them, on one device and on fsdp x seq; packing fills rows, packs the l
 short and balances shards; the budget comes from the compiled update's memory (a shorter
 row needs less), and one too small for a sample fails at start-up naming the key and the
 sample's length."""
+import dataclasses
 import os
 
 import jax
@@ -304,3 +305,37 @@ def test_a_shape_whose_compile_runs_out_of_memory_does_not_fit():
                                   budget_lib.NO_FIT if rows >= 8 else 1000 + rows),
                               available=10**6)
     assert 2 <= flat.rows_per_shard < 8 and flat.need_bytes < 10**6
+
+
+def test_long_rows_hold_fewer_runs_on_cudnns_packed_attention():
+    """cuDNN's packed backward takes E x T x N x H x 8 bytes whatever the runs hold
+    (BENCHMARKS.md, "Seventeenth session": 55.6 GiB at E = 64 for a 32K-token row of 7B
+    heads): a row of T tokens gets E within `flash.PACKED_ROW_BYTES`, between what one unit
+    of packing needs and 64, and the update's model config and packer take it from the rows'
+    length (a shared group, its prefix and the padding in one row at least)."""
+    from lrl import loop, options
+    from lrl.models import flash
+    assert flash.segments_for(4096, 12, 128) == 64            # Qwen2.5-1.5B heads
+    assert flash.segments_for(8192, 12, 128) == 42
+    assert flash.segments_for(16384, 12, 128) == 21
+    assert flash.segments_for(66560, 12, 128) == 5
+    assert flash.segments_for(66560, 12, 128, least=10) == 10
+    assert flash.segments_for(16384, 28, 128) == 9            # Qwen2.5-7B heads
+    assert flash.segments_for(131072, 28, 128) == 2
+    for T, N in ((8192, 12), (16384, 28), (131072, 28)):
+        E = flash.segments_for(T, N, 128)
+        assert E == 2 or E * T * N * 128 * 8 <= flash.PACKED_ROW_BYTES
+    with pytest.raises(ValueError, match="max_segments=1"):
+        CFG.replace(max_segments=1)
+    c = config_util.load(os.path.join(ROOT, "configs", "default.py"))
+    c.rl.update(row_len=32768, max_tokens_per_micro=0)
+    rl = options.from_config(c, check_files=False).rl
+    big = CFG.replace(n_heads=12, head_dim=128)
+    sizes = dict(row_len=rl.row_len, max_tokens=0, longest=None, unit=1)
+    assert loop.update_model_config(big, rl, sizes).max_segments == 10
+    shared = dataclasses.replace(rl, shared_prompt="auto")
+    assert loop.update_model_config(big, shared, dict(sizes, row_len=10**6)).max_segments == \
+        shared.group_size + 2
+    # rl.row_len=0: the rows the budget derives hold the longest sample, 8K tokens at least
+    derived = dict(row_len=0, max_tokens=0, longest=200, unit=1)
+    assert loop.update_model_config(big, rl, derived).max_segments == 42

@@ -55,7 +55,7 @@ def dense_attention(cfg: ModelConfig, q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
     if impl == "cudnn":
         from lrl.models import flash
         return flash.dense_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT,
-                                     implementation="cudnn")
+                                     implementation="cudnn", max_segments=cfg.max_segments)
     raise ValueError(f"attention_impl={impl!r}; choose 'xla' or 'cudnn'")
 
 
@@ -72,19 +72,23 @@ def attend(cfg: ModelConfig, mesh, q_BTNH, k_BSKH, v_BSKH, segment_ids_BT,
         if cfg.attention == "ring" and mesh is not None:
             from lrl.models import ring  # one-shard ring: same kernel, no hops
             return ring.ring_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, mesh=mesh,
-                                       implementation=cfg.attention_impl, **shared)
+                                       implementation=cfg.attention_impl,
+                                       max_segments=cfg.max_segments, **shared)
         if shared:
             from lrl.models import shared_attention
             return shared_attention.shared_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT,
                                                      prefix_ids_BT,
-                                                     implementation=cfg.attention_impl)
+                                                     implementation=cfg.attention_impl,
+                                                     max_segments=cfg.max_segments)
         return dense_attention(cfg, q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
     if cfg.attention == "ring":
         from lrl.models import ring
         return ring.ring_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, mesh=mesh,
-                                   implementation=cfg.attention_impl, **shared)
+                                   implementation=cfg.attention_impl,
+                                   max_segments=cfg.max_segments, **shared)
     if cfg.attention == "ulysses":
         from lrl.models import ulysses
         return ulysses.ulysses_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, mesh=mesh,
-                                         implementation=cfg.attention_impl, **shared)
+                                         implementation=cfg.attention_impl,
+                                         max_segments=cfg.max_segments, **shared)
     raise ValueError(f"attention={cfg.attention!r}")

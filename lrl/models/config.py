@@ -69,6 +69,10 @@ class ModelConfig:
     # verl's FSDP spans every rank: a 7B model's fp32 masters and Adam moments then fit when
     # one sequence spans a whole node.
     param_shard_axes: tuple[str, ...] = ("fsdp",)
+    # Runs (packed sequences) a row may hold on cuDNN's packed attention; more give NaN. The
+    # update sets it from its rows' length (`flash.segments_for`): the packed backward's
+    # buffers grow with it, whatever the rows hold.
+    max_segments: int = 64
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -82,6 +86,9 @@ class ModelConfig:
             raise ValueError(f"mrope_section={self.mrope_section} must sum to head_dim/2 = "
                              f"{self.head_dim // 2}")
         check_param_shard_axes(self.param_shard_axes)
+        if self.max_segments < 2:
+            raise ValueError(f"max_segments={self.max_segments}: cuDNN's packed layout needs 2 "
+                             "at least (a sequence and the row's padding)")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of "
                              f"n_kv_heads={self.n_kv_heads}")

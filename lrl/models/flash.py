@@ -396,9 +396,25 @@ def block_attention_bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, lse_BNT, do_BTNH, *, mas
 
 # ----------------------------------------------------------------------------- dense entry
 
-# Runs (packed sequences) a row may hold in cuDNN's packed layout as lrl calls it; the packer
-# of update rows (`lrl.grpo.pack`) never puts more in a row.
+# Runs (packed sequences) a row may hold in cuDNN's packed layout as lrl calls it at most;
+# the packer of update rows (`lrl.grpo.pack`) never puts more in a row than its model config's
+# `max_segments` (this, or fewer for long rows: `segments_for`).
 MAX_SEGMENTS = 64
+# cuDNN's packed backward sizes its buffers as if each of a row's E runs were the whole row:
+# E x T x N x H of fp32 dQ and of bf16 dK and dV (GQA's heads expanded), 8 bytes a (run,
+# token, query feature), whatever the runs hold. At 64 runs that was 0.75 MiB a token for
+# Qwen2.5-1.5B (49 GiB of a 66K-token row's update; BENCHMARKS.md, "Seventeenth session"),
+# so a long row gets fewer runs: at most this many bytes a row.
+PACKED_ROW_BYTES = 4 << 30
+
+
+def segments_for(row_len: int, n_heads: int, head_dim: int, least: int = 2) -> int:
+    """E, the runs a row of `row_len` tokens may hold on cuDNN's packed attention: as many
+    as keep the packed backward's buffers within `PACKED_ROW_BYTES` a row, between `least`
+    (what one unit of packing needs: a sequence, or a shared group, and the padding) and
+    `MAX_SEGMENTS`."""
+    E = PACKED_ROW_BYTES // (8 * max(1, row_len) * n_heads * head_dim)
+    return int(max(2, least, min(MAX_SEGMENTS, E)))
 
 
 def dense_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, implementation=None,

@@ -108,6 +108,7 @@ class _Ring:
     implementation: str | None
     q_chunk: int
     kv_chunk: int
+    max_segments: int
 
     # A block's masks are a tuple of id arrays for its queries and one for its keys: the
     # segment ids, and with a shared prompt the response x prefix ids of
@@ -126,7 +127,7 @@ class _Ring:
             blk = flash.block_attention(
                 q, kv[0], kv[1], mask_kind=kind, q_segment_ids=qs, kv_segment_ids=ks,
                 scale=self.scale, implementation=self._impl(i), out_dtype=jnp.float32,
-                q_chunk=self.q_chunk, kv_chunk=self.kv_chunk)
+                q_chunk=self.q_chunk, kv_chunk=self.kv_chunk, max_segments=self.max_segments)
             out = blk if out is None else _merge(*out, *blk)
         return out
 
@@ -136,7 +137,7 @@ class _Ring:
             g = flash.block_attention_bwd(
                 q, kv[0], kv[1], o, lse, do, mask_kind=kind, q_segment_ids=qs,
                 kv_segment_ids=ks, scale=self.scale, implementation=self._impl(i),
-                q_chunk=self.q_chunk, kv_chunk=self.kv_chunk)
+                q_chunk=self.q_chunk, kv_chunk=self.kv_chunk, max_segments=self.max_segments)
             out = g if out is None else tuple(a + b for a, b in zip(out, g))
         return out
 
@@ -305,7 +306,7 @@ _ring_local.defvjp(_ring_local_fwd, _ring_local_bwd)
 
 def ring_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, mesh, seq_axis="seq",
                    layout="zigzag", scale=None, implementation=None, q_chunk=512,
-                   kv_chunk=512, prefix_ids_BT=None):
+                   kv_chunk=512, prefix_ids_BT=None, max_segments=flash.MAX_SEGMENTS):
     """Causal (packed) attention with T sharded over `seq_axis` -> o_BTNH.
 
     Inputs and output are global arrays whose token order is already the layout's
@@ -316,7 +317,8 @@ def ring_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, mesh, seq_axis="se
     so the ring's causal skipping of blocks still holds). `implementation`: None (cuDNN
     blocks on GPU when possible, else XLA), "xla" or "cudnn" (the ring's response x prefix
     blocks run on XLA whatever is chosen, unlike the dense path's, which `shared_attention`
-    runs on cuDNN); q_chunk / kv_chunk size the XLA kernel's tiles.
+    runs on cuDNN); q_chunk / kv_chunk size the XLA kernel's tiles; a row holds at most
+    `max_segments` segments on cuDNN (NaN beyond).
     """
     flash._check_qkv(q_BTNH, k_BSKH, v_BSKH)
     B, T, N, H = q_BTNH.shape
@@ -332,7 +334,7 @@ def ring_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, *, mesh, seq_axis="se
     layout_permutation(T, max(n, 1), layout)  # validates layout and divisibility
     qspec, segspec = attention_specs(mesh, B, N, K, seq_axis)
     cfg = _Ring(seq_axis, n, layout, float(H ** -0.5 if scale is None else scale),
-                implementation, int(q_chunk), int(kv_chunk))
+                implementation, int(q_chunk), int(kv_chunk), int(max_segments))
     if segment_ids_BT is None:
         fn = shard_map(lambda q, k, v: _ring_local(cfg, q, k, v, None, None), mesh=mesh,
                        in_specs=(qspec, qspec, qspec), out_specs=qspec)
