@@ -68,3 +68,32 @@ def test_nothing_compiles_after_the_first_step(runs, case):
     steps = runs[case]["steps"]
     assert len(steps) == 3
     assert [s["compiles/step"] for s in steps[1:]] == [0, 0], steps
+
+
+def test_the_step_timeline_reads_busy_time_and_gaps_from_a_gpu_trace(tmp_path):
+    """`profile.timeline` (grpo_step.py --profile-step) on a GPU trace as jax 0.11 writes it:
+    kernels on stream lines, each naming its XLA module; busy is their union (streams
+    overlap), idle gaps are summed by the programs either side."""
+    import gzip
+    sys.path.insert(0, ROOT)
+    from experiments.bench.profile import timeline
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1,
+             "args": {"name": "Stream #14(Compute)"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 2,
+             "args": {"name": "Stream #16(MemcpyD2H)"}}]
+
+    def kernel(ts, dur, module, tid=1):
+        return {"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": "k",
+                "args": {"hlo_module": module}}
+    events = [kernel(0, 1000, "jit_decode_steps(3)"), kernel(900, 200, "MemcpyD2H", tid=2),
+              kernel(1500, 500, "jit_insert_slots(7)"), kernel(2500, 500, "jit_decode_steps(3)")]
+    d = tmp_path / "plugins" / "profile" / "run"
+    d.mkdir(parents=True)
+    with gzip.open(d / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+    text = timeline(str(tmp_path))
+    assert text.startswith("span 3.0 ms: device busy 2.1 ms (70.0%), idle 0.9 ms"), text
+    assert "| jit_decode_steps | 2 | 1.5 | 0.750 |" in text
+    assert "| MemcpyD2H -> jit_insert_slots | 1 | 0.4 | 0.400 |" in text
+    assert "| jit_insert_slots -> jit_decode_steps | 1 | 0.5 | 0.500 |" in text
