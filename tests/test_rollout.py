@@ -273,32 +273,45 @@ def test_short_prompts_share_prefill_rows_in_calls_of_one_shape(tiny):
         EngineConfig(prefill_batch_tokens=0)
 
 
+def _prefill_calls(cfg, params, ecfg: EngineConfig, batches, seed: int):
+    """Prefills each batch of prompt lengths with an engine of `ecfg` whose prefill shapes are
+    compiled first -> (each batch's pages, the [R, C] of every packed call); asserts that no
+    call compiled anything after `compile_prefill`."""
+    from lrl.rollout import steps
+    engine = Engine(cfg, ecfg)
+    dparams = engine.decode_params(params)
+    state = engine.compile_prefill(dparams, engine.init_decode_state())
+    compiled = steps.prefill_packed._cache_size()
+    call, shapes, pages = engine._packed_call, [], []
+    engine._packed_call = lambda *a, **k: shapes.append((a[4], a[5])) or call(*a, **k)
+    for lengths in batches:
+        pre = [engine.reserve_prefix(p) for p in _prompts(cfg, lengths, seed=seed)]
+        state = engine.run_prefill(dparams, state, pre)
+        pages.append([np.asarray(state.k_pages)[:, p.pages] for p in pre])
+        engine.pool.release([q for p in pre for q in p.holds])
+    assert steps.prefill_packed._cache_size() == compiled   # compiled with the engine
+    return pages, shapes
+
+
+def _same_pages(a, b):
+    for x, y in zip(a, b):
+        for u, v in zip(x, y):
+            np.testing.assert_allclose(u, v, atol=1e-5)
+
+
 def test_few_prompts_prefill_in_narrow_calls_compiled_with_the_engine(tiny):
     """With prefill_narrow_rows, prompts that fill no more packed rows than that go in a
     narrower call: the same pages as in a call of every row; `compile_prefill` compiles both
     shapes up front, so neither kind of call compiles later."""
-    from lrl.rollout import steps
     _, cfg, params, _ = tiny("qwen2")
     kw = dict(page_size=4, num_pages=40, max_slots=6, max_pages_per_slot=8, prefill_chunk=16,
               prefill_rows=4, prefill_block_pages=2, decode_block_pages=2)
-    pages, shapes = [], []
-    for narrow in (0, 1):
-        engine = Engine(cfg, EngineConfig(prefill_narrow_rows=narrow, **kw))
-        dparams = engine.decode_params(params)
-        state = engine.compile_prefill(dparams, engine.init_decode_state())
-        compiled = steps.prefill_packed._cache_size()
-        call = engine._packed_call
-        engine._packed_call = lambda *a, **k: shapes.append((narrow, a[4])) or call(*a, **k)
-        for lengths in ([9], [9, 12, 16, 4, 7, 3]):   # one row; four rows
-            pre = [engine.reserve_prefix(p) for p in _prompts(cfg, lengths, seed=5)]
-            state = engine.run_prefill(dparams, state, pre)
-            pages.append([np.asarray(state.k_pages)[:, p.pages] for p in pre])
-            engine.pool.release([q for p in pre for q in p.holds])
-        assert steps.prefill_packed._cache_size() == compiled   # compiled with the engine
-    assert shapes == [(0, 4), (0, 4), (1, 1), (1, 4)]
-    for a, b in zip(pages[:2], pages[2:]):
-        for x, y in zip(a, b):
-            np.testing.assert_allclose(x, y, atol=1e-5)
+    batches = ([9], [9, 12, 16, 4, 7, 3])   # one row; four rows
+    wide, wide_shapes = _prefill_calls(cfg, params, EngineConfig(**kw), batches, 5)
+    narrow, narrow_shapes = _prefill_calls(cfg, params, EngineConfig(prefill_narrow_rows=1, **kw),
+                                           batches, 5)
+    assert (wide_shapes, narrow_shapes) == ([(4, 16)] * 2, [(1, 16), (4, 16)])
+    _same_pages(wide, narrow)
     with pytest.raises(ValueError, match="prefill_narrow_rows"):
         EngineConfig(prefill_rows=4, prefill_narrow_rows=4)
 
@@ -307,36 +320,22 @@ def test_few_short_prompts_prefill_in_short_calls(tiny):
     """With prefill_short_chunk S, short text prompts that pack into few rows of S go in calls
     [1, S], one a row, writing the same pages as calls of C; more rows, or a longer prompt,
     take the C-wide calls. `compile_prefill` compiles [1, S] with the engine."""
-    from lrl.rollout import steps
     _, cfg, params, _ = tiny("qwen2")
     kw = dict(page_size=4, num_pages=60, max_slots=6, max_pages_per_slot=16, prefill_chunk=32,
               prefill_rows=2, prefill_block_pages=2, decode_block_pages=2)
-    pages, shapes = [], []
     batches = ([5, 7], [8, 8, 3], [8, 8, 8, 8, 8], [20, 3])  # 2, 3 rows of S; 5; too long
-    for short in (0, 8):
-        engine = Engine(cfg, EngineConfig(prefill_short_chunk=short, **kw))
-        dparams = engine.decode_params(params)
-        state = engine.compile_prefill(dparams, engine.init_decode_state())
-        compiled = steps.prefill_packed._cache_size()
-        call = engine._packed_call
-        engine._packed_call = lambda *a, **k: shapes.append((short, a[4], a[5])) or call(*a, **k)
-        for lengths in batches:
-            pre = [engine.reserve_prefix(p) for p in _prompts(cfg, lengths, seed=3)]
-            state = engine.run_prefill(dparams, state, pre)
-            pages.append([np.asarray(state.k_pages)[:, p.pages] for p in pre])
-            engine.pool.release([q for p in pre for q in p.holds])
-        assert steps.prefill_packed._cache_size() == compiled   # compiled with the engine
-    assert shapes == [(0, 2, 32)] * 4 + [(8, 1, 8)] * 5 + [(8, 2, 32)] * 2, shapes
-    for a, b in zip(pages[:len(batches)], pages[len(batches):]):
-        for x, y in zip(a, b):
-            np.testing.assert_allclose(x, y, atol=1e-5)
+    wide, wide_shapes = _prefill_calls(cfg, params, EngineConfig(**kw), batches, 3)
+    short, short_shapes = _prefill_calls(cfg, params, EngineConfig(prefill_short_chunk=8, **kw),
+                                         batches, 3)
+    assert wide_shapes == [(2, 32)] * 4
+    assert short_shapes == [(1, 8)] * 5 + [(2, 32)] * 2
+    _same_pages(wide, short)
     for bad in (3, 32):
         with pytest.raises(ValueError, match="prefill_short_chunk"):
             EngineConfig(prefill_short_chunk=bad, **kw)
-    assert rollout.engine_config(cfg, max_prompt_len=40, max_new_tokens=200, max_slots=4,
-                         num_pages=64, resumed_prompts=True).prefill_short_chunk == 64
-    assert rollout.engine_config(cfg, max_prompt_len=40, max_new_tokens=200, max_slots=4,
-                         num_pages=64).prefill_short_chunk == 0
+    resumed = dict(max_prompt_len=40, max_new_tokens=200, max_slots=4, num_pages=64)
+    assert rollout.engine_config(cfg, resumed_prompts=True, **resumed).prefill_short_chunk == 64
+    assert rollout.engine_config(cfg, **resumed).prefill_short_chunk == 0
 
 
 def test_pool_and_prompt_errors(tiny):
