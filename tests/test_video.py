@@ -115,10 +115,16 @@ def test_bad_videos_are_reported_by_path(tmp_path):
         assert e.value.path == str(bad) and str(bad) in str(e.value)
     with pytest.raises(video.VideoDecodeError, match="truncated"):
         video.decode_frames(str(fast_cut), 24)
-    paths = [str(p) for p in (garbage, good, cut, fast_cut, missing)]
-    items, failures = video.load_videos(paths, video.VisionSettings(num_frames=24))
-    assert [it.source for it in items] == [str(good)]
+    paths = [str(p) for p in (garbage, good, cut, fast, fast_cut, missing)]
+    s = video.VisionSettings(num_frames=24)
+    items, failures = video.load_videos(paths, s, workers=1)
+    assert [it.source for it in items] == [str(good), str(fast)]
     assert [p for p, _ in failures] == [str(garbage), str(cut), str(fast_cut), str(missing)]
+    # Decoded a few at a time: the same items and failures, in the same order.
+    many, failed = video.load_videos(paths, s, workers=3)
+    assert [it.source for it in many] == [str(good), str(fast)] and failed == failures
+    for a, b in zip(items, many):
+        assert a.grid_thw == b.grid_thw and np.array_equal(a.patches, b.patches)
     with pytest.raises(video.VideoDecodeError, match="garbage.mp4"):
         video.load_image(str(garbage))
 

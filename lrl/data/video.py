@@ -18,6 +18,7 @@ Pixel arrays are written in words (uint8 `frames` [frames, height, width, 3]); p
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import logging
@@ -103,24 +104,34 @@ def _check_frames(frames: np.ndarray, what: str) -> np.ndarray:
     return frames
 
 
+def _normalised(mean: tuple, std: tuple) -> np.ndarray:
+    """[channels, 256] float32: each uint8 value rescaled to [0, 1] and normalised, computed
+    as transformers' processor computes it (rescale in float64, then float32 arithmetic), so
+    a lookup gives its values to the bit."""
+    v = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
+    return np.stack([(v - np.float32(m)) / np.float32(d) for m, d in zip(mean, std)])
+
+
 def patchify(frames: np.ndarray, s: VisionSettings, min_pixels: int, max_pixels: int):
     """uint8 frames [frames, height, width, 3] -> (float32 patch rows [t·h·w, A], (t, h, w)
-    grid in patches)."""
+    grid in patches). The pixels are put in patch order as uint8 and normalised by one lookup
+    a channel at the end: rescaling a video's frames in float64 and moving float32 patches
+    took most of a 64-frame video's 0.5-1 s on one core (a step decodes 16 such videos)."""
     frames = _check_frames(frames, "patchify")
-    n_frames, height, width, _ = frames.shape
+    n_frames, height, width, channels = frames.shape
     p, m, tp = s.patch_size, s.merge_size, s.temporal_patch_size
     rh, rw = smart_resize(height, width, p * m, min_pixels, max_pixels)
-    resized = np.stack([_resize(f, rh, rw) for f in frames])
-    x = (resized.astype(np.float64) * (1 / 255)).astype(np.float32)
-    x = (x - np.asarray(s.mean, np.float32)) / np.asarray(s.std, np.float32)
-    x = x.transpose(0, 3, 1, 2)                          # [frames, channels, height, width]
+    x = np.stack([_resize(f, rh, rw) for f in frames])   # [frames, height, width, channels]
     if n_frames % tp:  # the last frame repeats up to a whole temporal patch
         x = np.concatenate([x, np.repeat(x[-1:], tp - n_frames % tp, axis=0)])
     gt, gh, gw = x.shape[0] // tp, rh // p, rw // p
-    channels = x.shape[1]
-    x = x.reshape(gt, tp, channels, gh // m, m, p, gw // m, m, p)
-    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return np.ascontiguousarray(x.reshape(gt * gh * gw, channels * tp * p * p)), (gt, gh, gw)
+    x = x.reshape(gt, tp, gh // m, m, p, gw // m, m, p, channels)
+    x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7).reshape(gt * gh * gw, channels, tp * p * p)
+    lut = _normalised(s.mean, s.std)
+    out = np.empty(x.shape, np.float32)
+    for c in range(channels):
+        out[:, c] = lut[c][x[:, c]]
+    return out.reshape(gt * gh * gw, channels * tp * p * p), (gt, gh, gw)
 
 
 def process_image(image: np.ndarray, s: VisionSettings = VisionSettings(),
@@ -215,16 +226,27 @@ def load_video(path: str, s: VisionSettings = VisionSettings()) -> VisualItem:
     return process_video_frames(frames, fps, s, source=path)
 
 
-def load_videos(paths: Sequence[str], s: VisionSettings = VisionSettings()):
+def load_videos(paths: Sequence[str], s: VisionSettings = VisionSettings(),
+                workers: int | None = None):
     """-> (items, failures): one item per decodable path, in order; `failures` lists
-    (path, reason) for the rest, each also logged as a warning."""
-    items, failures = [], []
-    for path in paths:
+    (path, reason) for the rest, each also logged as a warning. Videos are decoded and
+    patched `workers` at a time (None: one a CPU core, at most 16): FFmpeg, PIL and numpy's
+    copies let go of the GIL, and a step's 16 videos of 64 frames took 12-15 s one after
+    another on the H200 machine's host (BENCHMARKS.md, "Seventeenth session")."""
+    def one(path):
         try:
-            items.append(load_video(path, s))
+            return load_video(path, s)
         except VideoDecodeError as e:
             logging.warning("skipping video %s: %s", e.path, e.reason)
-            failures.append((e.path, e.reason))
+            return e
+    n = min(len(paths), workers or min(16, os.cpu_count() or 1))
+    if n > 1:
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            results = list(pool.map(one, paths))
+    else:
+        results = [one(p) for p in paths]
+    items = [r for r in results if not isinstance(r, VideoDecodeError)]
+    failures = [(r.path, r.reason) for r in results if isinstance(r, VideoDecodeError)]
     return items, failures
 
 

@@ -267,7 +267,9 @@ def encode_batch(stage: VisionStage, vision_params, recs: list[dict]):
         if item is None:
             todo.append(len(items) - 1)
     paths = list(dict.fromkeys(kept[i]["video"] for i in todo))   # each video decoded once
+    t0 = time.perf_counter()
     decoded, failures = video_lib.load_videos(paths, stage.settings)
+    stats["time/video_decode_s"] = time.perf_counter() - t0   # host: decoding and patching
     for path, reason in failures:
         stage.bad[path] = reason
     by_path = {it.source: it for it in decoded}
