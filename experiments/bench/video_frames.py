@@ -102,7 +102,8 @@ def setup(seq: int, args) -> dict:
 
     text, vcfg = configs(args.small)
     mesh = mesh_lib.make_mesh({"seq": seq}, devices=jax.devices()[:seq])
-    text = text.replace(attention="ring" if seq > 1 else "dense")
+    text = text.replace(attention="ring" if seq > 1 else "dense",
+                        remat="none" if args.small else args.remat)
     c = vl.VLConfig(text, vcfg, image_token_id=text.vocab_size - 4,
                     video_token_id=text.vocab_size - 3,
                     vision_start_token_id=text.vocab_size - 2,
@@ -342,7 +343,7 @@ def spawn(seq: int, frames: list[int], args, env) -> dict:
                "--tokens-per-frame", str(args.tokens_per_frame),
                "--new-tokens", str(args.new_tokens), "--page-size", str(args.page_size),
                "--frame-chunk", str(args.frame_chunk), "--answers", str(args.answers),
-               "--shared-prompt", ",".join(args.shared_prompt),
+               "--remat", args.remat, "--shared-prompt", ",".join(args.shared_prompt),
                "--prefill", ",".join(args.prefill),
                "--prefill-chunk", str(args.prefill_chunk)] + (["--small"] if args.small else [])
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -436,6 +437,8 @@ def main():
     p.add_argument("--budget-s", type=float, default=900.0, help="seconds per row at most")
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--frame-chunk", type=int, default=16, help="frames per device per call")
+    p.add_argument("--remat", default="full",
+                   help="the decoder's remat policy in the update (lrl.models.layers)")
     p.add_argument("--answers", type=int, default=1,
                    help="G: answers of --new-tokens each per prompt in the update (default 1)")
     p.add_argument("--shared-prompt", default="off",
@@ -474,8 +477,8 @@ def main():
     print(f"# video frames: {'tiny CPU' if small else 'Qwen2.5-VL-7B'} shapes, "
           f"{args.tokens_per_frame} tokens per temporal patch, G={args.answers} answers of "
           f"{args.new_tokens} tokens, prefill {'/'.join(args.prefill)} (chunks of "
-          f"{args.prefill_chunk}), shared prompt {'/'.join(args.shared_prompt)}, seq in {seqs}, "
-          f"budget {args.budget_s:.0f} s per row", flush=True)
+          f"{args.prefill_chunk}), shared prompt {'/'.join(args.shared_prompt)}, "
+          f"{args.remat} remat, seq in {seqs}, budget {args.budget_s:.0f} s per row", flush=True)
     by_seq = {}
     for s in seqs:
         t0 = time.time()
