@@ -166,15 +166,21 @@ def sft_phase(r: Run, state, tx, steps: int, data_state: dict):
 
 # ----------------------------------------------------------------------------- GRPO
 
-def update_model_config(cfg, rl_, sizes: dict):
-    """The model config the update (and its log-prob pass) runs: `cfg` with the runs a row
-    may hold on cuDNN's packed attention (`flash.segments_for`) for the rows' length, which is
-    fixed before memory sets how many rows a micro-batch holds (`budget.smallest_shape`); one
-    shared group (`rl.shared_prompt`), its prefix and the padding fit a row at least."""
-    row_len = budget_lib.smallest_shape(**sizes)[1]
-    least = 2 if rl_.shared_prompt == "off" else rl_.group_size + 2
+def with_update_runs(cfg, row_len: int, shared_group: int = 0):
+    """`cfg` with the runs a row of `row_len` tokens may hold on cuDNN's packed attention
+    (`flash.segments_for`); a shared group of `shared_group` responses (0: none), its prefix
+    and the padding fit a row at least."""
+    least = shared_group + 2 if shared_group else 2
     return cfg.replace(max_segments=flash_lib.segments_for(row_len, cfg.n_heads, cfg.head_dim,
                                                            least=least))
+
+
+def update_model_config(cfg, rl_, sizes: dict):
+    """The model config the update (and its log-prob pass) runs: `with_update_runs` for the
+    rows' length, which is fixed before memory sets how many rows a micro-batch holds
+    (`budget.smallest_shape`), and the groups `rl.shared_prompt` may share."""
+    return with_update_runs(cfg, budget_lib.smallest_shape(**sizes)[1],
+                            0 if rl_.shared_prompt == "off" else rl_.group_size)
 
 
 def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:

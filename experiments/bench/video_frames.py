@@ -98,7 +98,6 @@ def setup(seq: int, args) -> dict:
     from lrl import models
     from lrl.models import embed_cache, vision, vl
     from lrl.rl import update as update_lib
-    from lrl.rl.losses import LossConfig
 
     text, vcfg = configs(args.small)
     mesh = mesh_lib.make_mesh({"seq": seq}, devices=jax.devices()[:seq])
@@ -116,10 +115,7 @@ def setup(seq: int, args) -> dict:
                       out_shardings=mesh_lib.replicated(mesh))(vcfg, k2)
     return dict(seq=seq, mesh=mesh, text=text, vcfg=vcfg, c=c, state=state, vparams=vparams,
                 tx=tx,
-                encoder=embed_cache.make_encoder(vcfg, mesh, frame_chunk=args.frame_chunk),
-                update=update_lib.make_update_programs(
-                    text, LossConfig(max_len=args.new_tokens), tx, mesh,
-                    hidden=vl.batch_hidden_states, extra_keys=("visual_index",)))
+                encoder=embed_cache.make_encoder(vcfg, mesh, frame_chunk=args.frame_chunk))
 
 
 
@@ -163,7 +159,7 @@ def update_row(ctx: dict, layout: str, prompt, table, args, seed: int) -> dict:
     from lrl.rl import update as update_lib
     from lrl.rl.losses import LossConfig
 
-    text, mesh, u = ctx["text"], ctx["mesh"], ctx["update"]
+    text, mesh = ctx["text"], ctx["mesh"]
     G, A = args.answers, args.new_tokens
     rng = np.random.default_rng(seed)        # the same answers for both layouts
     vocab = text.vocab_size - 8              # clear of the vision token ids
@@ -176,14 +172,13 @@ def update_row(ctx: dict, layout: str, prompt, table, args, seed: int) -> dict:
                                             align=2 * ctx["seq"] * 128)
     denoms = update_lib.host_denominators(micro, A)
     placed = [mesh_lib.put_batch(mesh, mb) for mb in micro]
-    # The runs a row may hold for these rows, as the loop sets them (the packed backward's
-    # buffers grow with them).
+    # The update for these rows, with the runs a row may hold as the loop sets them (the
+    # packed backward's buffers grow with them).
     runs = sibling("shared_prompt").with_runs(text, micro, "unshared" if layout == "off"
                                               else "shared", G)
-    if runs != text:
-        u = update_lib.make_update_programs(runs, LossConfig(max_len=A), ctx["tx"], mesh,
-                                            hidden=vl.batch_hidden_states,
-                                            extra_keys=("visual_index",))
+    u = update_lib.make_update_programs(runs, LossConfig(max_len=A), ctx["tx"], mesh,
+                                        hidden=vl.batch_hidden_states,
+                                        extra_keys=("visual_index",))
     p, params = u.programs, ctx["state"].params
     # The optimizer step compiles first, before the forward's buffers come and go, and that
     # executable runs it, so the temporaries read here are those of the program that runs

@@ -98,15 +98,17 @@ def engine_config(cfg: ModelConfig, *, max_prompt_len: int, max_new_tokens: int,
     of a few lengths up to `prefill_tokens` (`whole_prefill_lengths`), not chunk after chunk
     of C through the paged path; False: chunks."""
     longest = max_prompt_len + (max_new_tokens - 1 if resumed_prompts else 0)
+    # A prompt of n tokens prefills n - 1: a power of two that holds them, 16 at least.
+    chunk_for = lambda n: max(16, 1 << max(0, n - 2).bit_length())  # noqa: E731
     if prefill_chunk is None:
-        prefill_chunk = min(4096, max(16, 1 << max(0, longest - 2).bit_length()))
+        prefill_chunk = min(4096, chunk_for(longest))
     rows = max(1, prefill_tokens // prefill_chunk)
     if max_prompts is not None:
         rows = min(rows, 1 << max(0, max_prompts - 1).bit_length())
     if prefill_block_pages is None:
         prefill_block_pages = max(1, 1024 // page_size)
     # Fresh prompts' own chunk, where C is sized for much longer (resumed) ones.
-    short = max(16, 1 << max(0, max_prompt_len - 2).bit_length())
+    short = chunk_for(max_prompt_len)
     return EngineConfig(
         page_size=page_size, num_pages=num_pages, max_slots=max_slots,
         max_pages_per_slot=pages_for(max_prompt_len + max_new_tokens - 1, page_size),
