@@ -42,7 +42,10 @@ def get_config(arg: str | None = None):
                 dynamic_sampling=True, overlong="mask",
                 # one long row a step: fewer, larger log-prob chunks re-read the fp32
                 # unembedding gradient less often (BENCHMARKS: 60.2% MFU at 32K with 8192)
-                logprob_chunk=8192)
+                logprob_chunk=8192,
+                # a group's ~120K-token prompt once per row, not 8 times: the update's
+                # FLOPs fall ~7x at 128K (BENCHMARKS, shared_prompt.py); exact
+                shared_prompt="auto")
     c.rl.loss.update(clip_low=0.2, clip_high=0.28, aggregation="token_mean")
     c.optim.update(lr=1e-6, warmup_steps=5, weight_decay=0.0, b2=0.999, clip_norm=1.0)
     c.reward.update(spec="exact:1.0", num_workers=8, timeout_s=10.0)
