@@ -126,6 +126,7 @@ def test_long_context_ring_runlocal_runs_through_the_one_loop(tmp_path, monkeypa
     assert m["rollout/sp_prefill"] == 1 and calls     # long prompts took the seq prefill
     assert all(T % 4 == 0 for T in calls)              # padded to the ring's 2 x seq chunks
     assert np.isfinite(m["loss"]) and m["grad_norm"] > 0 and "eval/pass@2" in m
+    assert m["pack/shared_frac"] == 1     # the config's shared prompt, over the ring
     # Sampler log-probs (ring-prefilled, engine-decoded) are the ring-sharded trainer's.
     assert abs(m["ratio_max"] - 1) < 1e-4 and abs(m["ratio_min"] - 1) < 1e-4
 
