@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")  # transformers writes the checkpoint, as a
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_qwen2_5_math_config_runs_on_a_local_checkpoint_and_jsonl(tmp_path):
     from lrl.data.synthetic import synthetic_corpus
     from lrl.data.tokenizer import build_tokenizer
