@@ -394,7 +394,7 @@ def test_grpo_loop_with_shared_prompts_end_to_end(tmp_path, monkeypatch):
     """`rl.shared_prompt=on` through `lrl.loop.run` on the tiny default config, with the
     trainer's old log-probs and the reference's (KL) taken on the shared rows: groups are
     shared, the policy moves, the metrics are finite, and from the third step on nothing
-    compiles (README: the second step may still compile)."""
+    compiles (docs/batching.md: the second step may still compile)."""
     import json
 
     from lrl import loop
