@@ -1,5 +1,6 @@
-"""README's "My own model and data?" (docs/own-model-and-data.md): configs/qwen2_5_math.py's command on a local Hugging
-Face checkpoint, a local tokenizer and jsonl files, nothing downloaded (shrunk to seconds)."""
+"""docs/own-model-and-data.md (README's "My own model and data?"): configs/qwen2_5_math.py's
+command on a local Hugging Face checkpoint, a local tokenizer and jsonl files, nothing
+downloaded (shrunk to seconds)."""
 import json
 import os
 
