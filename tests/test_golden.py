@@ -14,7 +14,7 @@ import numpy as np
 from lrl import collect, grpo, models
 from lrl.rl import update as upd
 from lrl.tasks import Prompt
-from tests.test_grpo_step import TINY, _mismatch_setup, _update_programs
+from tests.test_grpo_step import TINY, _mismatch_setup, _rl, _update_programs
 
 # Measured at 29e2cbe with the inputs below.
 GOLDEN = {
@@ -55,8 +55,15 @@ def test_one_learn_step_gives_the_recorded_metrics():
     u, tx = _update_programs(lr=0.5)
     # Old log-probs from a trainer forward (so the sampler's feed only the mismatch metrics)
     # and two minibatches (so the second one's ratios leave 1).
-    s = dataclasses.replace(_mismatch_setup(rows_per_shard=2, recompute_old_logp=True,
-                                            minibatches=2), update=u)
+    s = dataclasses.replace(_mismatch_setup(rows_per_shard=2), update=u, rl=_rl(
+        loss=dict(clip_low=0.2, clip_high=0.28, dual_clip=0.0, ratio_level="token",
+                  aggregation="seq_mean_token_mean", kl_coef=0.0, entropy_coef=0.0,
+                  tis_cap=0.0, mask_level="none", staleness_decay=1.0, max_staleness=-1),
+        # every option learn() reads, set here, so a new default elsewhere moves nothing
+        prompts_per_step=4, group_size=4, max_new_tokens=8, estimator="grpo", epochs=1,
+        minibatches=2, recompute_old_logp=True, fused_head=True, overlong="none",
+        mismatch_fraction=1.0, shared_prompt="off", logprob_chunk=1024,
+        max_tokens_per_micro=4096, row_len=512))
     state = upd.init_train_state(models.init_params(TINY, jax.random.key(0)), tx)
     state, m = grpo.learn(s, state, _inputs(), {})
     for k, want in GOLDEN.items():
