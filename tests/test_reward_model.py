@@ -159,3 +159,30 @@ def test_config_rules(tmp_path):
     with pytest.raises(FileNotFoundError, match="reward.model.hf_path="):
         options.from_config(c)
     assert json.dumps(options.as_dict(c))  # stays plain data for the checkpoint
+
+
+def test_loop_weighs_the_reward_model_in(tmp_path, rm_dir):
+    """The default config's GRPO loop with spec "synthetic:1.0,rm:0.5": the model term is
+    scored every step (the prompts' messages reach it through the text task), and the step's
+    mean reward is the terms' means weighted."""
+    path, _ = rm_dir
+    if "llama" in str(path):
+        pytest.skip("one family end to end is enough")
+    from lrl import loop
+    from tests.test_loop import tiny_config
+    c = tiny_config()
+    c.sft.steps = 0
+    c.rl.steps = 2
+    c.eval.every = 0
+    c.reward.spec = "synthetic:1.0,rm:0.5"
+    c.reward.model.update(hf_path=str(path), max_len=256, batch_rows=4, dtype="float32")
+    loop.run(c, str(tmp_path / "run"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines()]
+    grpo = [r for r in rows if r["phase"] == "grpo" and "reward/mean" in r]
+    assert len(grpo) == 2
+    for r in grpo:
+        assert r["reward/rm_rows"] >= 1 and r["reward/n_error"] == 0
+        assert r["reward/term_mean/rm"] != 0
+        assert r["reward/mean"] == pytest.approx(
+            r["reward/term_mean/synthetic"] + 0.5 * r["reward/term_mean/rm"], abs=1e-5)
