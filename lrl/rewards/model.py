@@ -108,7 +108,6 @@ def load(opts, mesh, attention: str = "dense", dtype=None, key: str = "reward.mo
     import jax
     import jax.numpy as jnp
 
-    from lrl import mesh as mesh_lib
     from lrl.data.tokenizer import load_tokenizer
     from lrl.models import score as score_lib
     check(opts, key)
