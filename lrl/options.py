@@ -647,6 +647,9 @@ def check_files_exist(o: Options) -> None:
             raise FileNotFoundError(f"{key}={path!r}: no such directory")
     if o.video is not None and o.video.video_root and not os.path.isdir(o.video.video_root):
         raise FileNotFoundError(f"video.video_root={o.video.video_root!r}: no such directory")
+    if o.reward.model.hf_path:   # a classifier with one label, not any model directory
+        from lrl.rewards.model import check
+        check(o.reward.model)
 
 
 def as_dict(config) -> dict:

@@ -141,7 +141,7 @@ def test_bad_checkpoints_are_clear_errors(tmp_path, rm_dir):
         rm_lib.load(_opts(path, batch_rows=3), mesh_lib.make_mesh({"fsdp": 2, "data": 4}))
 
 
-def test_config_rules(tmp_path):
+def test_config_rules(tmp_path, rm_dir):
     from configs import default
     from lrl import options
     c = default.get_config()
@@ -158,6 +158,13 @@ def test_config_rules(tmp_path):
     c.reward.model.hf_path = str(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="reward.model.hf_path="):
         options.from_config(c)
+    # The file checks at start-up read the checkpoint's config and headers.
+    with pytest.raises(ValueError, match="reward.model.hf_path: .*config.json has archi"):
+        c.reward.model.hf_path = str(tmp_path)
+        (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"]}))
+        options.from_config(c)
+    c.reward.model.hf_path = str(rm_dir[0])
+    assert options.from_config(c).reward.model.hf_path == str(rm_dir[0])
     assert json.dumps(options.as_dict(c))  # stays plain data for the checkpoint
 
 

@@ -116,12 +116,6 @@ class SafetensorsDir:
     def keys(self):
         return self._where.keys()
 
-    def shape(self, key: str) -> list[int]:
-        """A tensor's shape from the header, without reading it."""
-        if key not in self._where:
-            raise KeyError(f"tensor {key!r} is missing from the checkpoint in {self.path!r}")
-        return list(self._headers[self._where[key]][key]["shape"])
-
     def get(self, key: str) -> np.ndarray:
         if key not in self._where:
             raise KeyError(f"tensor {key!r} is missing from the checkpoint in {self.path!r}")

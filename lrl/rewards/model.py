@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import struct
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -53,12 +54,39 @@ def split_spec(spec) -> tuple[list, float]:
 
 # ----------------------------------------------------------------------------- start-up
 
+def _score_shape(path: str, key: str) -> list:
+    """`score.weight`'s shape from the safetensors headers (no tensor read, no jax)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            name = json.load(f).get("weight_map", {}).get("score.weight")
+    else:
+        name = "model.safetensors" if os.path.isfile(os.path.join(path, "model.safetensors")) \
+            else None
+        if name is None:
+            raise FileNotFoundError(f"{key}.hf_path={path!r}: no model.safetensors or "
+                                    "model.safetensors.index.json there")
+    if name is None:
+        raise ValueError(f"{key}.hf_path={path!r}: the checkpoint has no 'score.weight'")
+    file = os.path.join(path, name)
+    try:
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, ValueError) as e:
+        raise ValueError(f"{key}.hf_path: cannot read the safetensors header of {file}: "
+                         f"{e}") from e
+    if "score.weight" not in header:
+        raise ValueError(f"{key}.hf_path={path!r}: the checkpoint has no 'score.weight'")
+    return list(header["score.weight"]["shape"])
+
+
 def check(opts, key: str = "reward.model") -> dict:
     """Cheap start-up checks of `opts` (options.RewardModelOptions): the checkpoint is a
     one-label *ForSequenceClassification whose safetensors hold `score.weight` [1, D], and the
-    tokenizer directory exists. Reads config.json and safetensors headers only. Returns the
-    checkpoint's config.json; raises FileNotFoundError / ValueError naming the key and file."""
-    from lrl.models import hf_io
+    tokenizer directory exists. Reads config.json and a safetensors header only (no jax).
+    Returns the checkpoint's config.json; raises FileNotFoundError / ValueError naming the
+    key and the file."""
     path = opts.hf_path
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{key}.hf_path={path!r}: no such directory")
@@ -75,10 +103,7 @@ def check(opts, key: str = "reward.model") -> dict:
         raise ValueError(f"{key}.hf_path: {config_path} has architectures={archs}; a reward "
                          "model is a *ForSequenceClassification checkpoint (Llama, Qwen2, "
                          "Qwen3) with a one-label `score` head")
-    st = hf_io.SafetensorsDir(path)
-    if "score.weight" not in st:
-        raise ValueError(f"{key}.hf_path={path!r}: the checkpoint has no 'score.weight'")
-    shape = st.shape("score.weight")
+    shape = _score_shape(path, key)
     if shape != [1, int(hf.get("hidden_size", -1))]:
         raise ValueError(f"{key}.hf_path={path!r}: score.weight has shape {shape}; a reward "
                          f"model has one label: [1, hidden_size={hf.get('hidden_size')}]")
