@@ -354,7 +354,7 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
     it = r.task.prompts("train")
     if data_state.get("prompt_iter"):
         it.set_state(data_state["prompt_iter"])
-    pool = ex.reward_pool(opts)
+    pool = ex.reward_pool(opts, r.mesh)
     e = opts.eval
     held_out = r.task.eval_batches() if e.every else []
     step, metrics = int(data_state.get("step", 0)), {}
