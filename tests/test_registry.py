@@ -87,6 +87,9 @@ def test_bad_estimators_name_the_config_key():
         registry.check("grpo", "lrl_test_plugin_bad:needs_more")
     with pytest.raises(ValueError, match=r"rl.loss.policy_loss='ppo'.*ppo_clip"):
         registry.check("grpo", "ppo")
+    with pytest.raises(ValueError, match=r"rl.estimator='gae'.*needs a critic"):
+        registry.check("gae")
+    assert registry.check("gae", critic=True).kind == "token"
 
 
 def test_options_check_the_registry():

@@ -207,9 +207,15 @@ def policy_loss_fn(spec: str, key: str = "rl.loss.policy_loss") -> Callable:
     return fn
 
 
-def check(estimator_spec: str, policy_loss_spec: str = "ppo_clip") -> None:
+def check(estimator_spec: str, policy_loss_spec: str = "ppo_clip", *,
+          critic: bool = False) -> Estimator:
     """Start-up check (`lrl.options`, a preflight): both names resolve and their functions
-    fit; raises a ValueError naming the config key otherwise."""
+    fit, and an estimator that needs a critic gets one (`critic`: the run trains one); raises
+    a ValueError naming the config key otherwise. -> the estimator."""
     import lrl.rl  # noqa: F401  (registers the built-ins)
-    estimator(estimator_spec)
+    est = estimator(estimator_spec)
+    if est.needs_critic and not critic:
+        raise ValueError(f"rl.estimator={estimator_spec!r} is token-level and needs a critic "
+                         "(a value model), which this run does not train")
     policy_loss_fn(policy_loss_spec)
+    return est
