@@ -16,7 +16,8 @@ import numpy as np
 from lrl.rl import registry
 from lrl.rl.gae import gae
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_token", "remax")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_token")
+ESTIMATORS = GROUP_ESTIMATORS + ("remax",)   # the built-in outcome estimators
 # verl's masked_whiten: (x - mean) * rsqrt(var + 1e-8).
 _WHITEN_VAR_EPS = 1e-8
 
@@ -97,9 +98,9 @@ def group_advantages(rewards_PG, estimator: str = "grpo", eps: float = 1e-6, len
     0, and the whitening of reinforce_pp and reinforce_pp_token runs over the real rows'
     samples only: the advantages of the real rows are those of the batch without the padding.
     """
-    if estimator not in ESTIMATORS[:5]:
+    if estimator not in GROUP_ESTIMATORS:
         raise ValueError(f"advantages: unknown group estimator {estimator!r}; valid: "
-                         f"{ESTIMATORS[:5]}")
+                         f"{GROUP_ESTIMATORS}")
     r_PG = jnp.asarray(rewards_PG, jnp.float32)
     if r_PG.ndim != 2:
         raise ValueError(f"advantages: rewards_PG must be [P, G], got shape {r_PG.shape}")

@@ -10,6 +10,8 @@ B·max_len) are computed ONCE over the whole minibatch by `loss_denominators`; a
 then contributes sum(weight · term), so summing the contributions of micro-batches and data
 shards gives exactly the one-big-batch loss (and gradient). `policy_loss` is the plain
 [B, T] form (one sequence per row, one advantage per row) written over the packed core.
+The per-token policy term is PPO clip (`ppo_clip`) unless `LossConfig.policy_loss` names
+another registered one (`lrl.rl.registry`); the rest of the objective stays as here.
 
 Dimension letters: B batch rows · T positions.
 """
