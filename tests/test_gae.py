@@ -297,3 +297,17 @@ def test_gae_packed_and_whitening_run_sharded_over_rows():
     local = step(r, v, m, seg)
     for a, b in zip(sharded, local):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_outcome_token_rewards_sit_on_each_sequences_last_response_token():
+    # row 0: seq 1 = positions 0-3 (response 2, 3), seq 2 = 4-6 (response 5 only; 6 is off),
+    # pad 7; row 1: one sequence whose response is 1-2
+    seg = np.array([[1, 1, 1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 0, 0, 0]])
+    m = np.array([[0, 0, 1, 1, 0, 1, 0, 1], [0, 1, 1, 0, 0, 0, 0, 0]], np.float32)
+    score = np.array([[0.5] * 4 + [2.0] * 3 + [9.0], [-1.0] * 8])
+    out = rl.outcome_token_rewards(score, m, seg)
+    np.testing.assert_array_equal(out, [[0, 0, 0, 0.5, 0, 2.0, 0, 0], [0, 0, -1.0, 0, 0, 0, 0, 0]])
+    # the GAE of an outcome reward with gamma = lam = 1 and zero values: the score on every
+    # response token
+    raw, _ = rl.gae_packed(out, np.zeros((2, 8)), m, seg, 1.0, 1.0)
+    np.testing.assert_array_equal(raw, [[0, 0, 0.5, 0.5, 0, 2.0, 0, 0], [0, -1.0, -1.0, 0, 0, 0, 0, 0]])

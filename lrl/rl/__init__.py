@@ -3,7 +3,8 @@ reward, chunked log-probs, update step."""
 from lrl.rl import registry
 from lrl.rl.advantages import ESTIMATORS, advantages, group_advantages, remax
 from lrl.rl.fused_head import fused_token_loss
-from lrl.rl.gae import WhitenStats, combine_stats, gae, gae_packed, whiten, whiten_stats
+from lrl.rl.gae import (WhitenStats, combine_stats, gae, gae_packed, outcome_token_rewards, whiten,
+                        whiten_stats)
 from lrl.rl.kl import kl_in_score, kl_penalty, segment_sums, sequence_kl, token_kl, update_kl_coef
 from lrl.rl.logprobs import token_logprobs_and_entropy
 from lrl.rl.losses import (AGGREGATIONS, Denominators, LossConfig, combine_metrics,
