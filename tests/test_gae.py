@@ -310,4 +310,5 @@ def test_outcome_token_rewards_sit_on_each_sequences_last_response_token():
     # the GAE of an outcome reward with gamma = lam = 1 and zero values: the score on every
     # response token
     raw, _ = rl.gae_packed(out, np.zeros((2, 8)), m, seg, 1.0, 1.0)
-    np.testing.assert_array_equal(raw, [[0, 0, 0.5, 0.5, 0, 2.0, 0, 0], [0, -1.0, -1.0, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(raw, [[0, 0, 0.5, 0.5, 0, 2.0, 0, 0],
+                                        [0, -1.0, -1.0, 0, 0, 0, 0, 0]])
