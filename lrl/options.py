@@ -209,6 +209,7 @@ class LossOptions:
     mask_high: float = _opt(ge=1)
     staleness_decay: float = _opt(gt=0, le=1)
     max_staleness: int = _opt(ge=-1)     # -1 = no bound
+    policy_loss: str = _opt()            # a registered name or "pkg.module:fn" (lrl.rl.registry)
 
     @property
     def corrects_rollout(self) -> bool:
@@ -229,8 +230,7 @@ class RLOptions:
     temperature: float = _opt(ge=0)
     top_k: int = _opt(ge=0)
     top_p: float = _opt(gt=0, le=1)
-    estimator: str = _opt(choices=("grpo", "dr_grpo", "rloo", "reinforce_pp",
-                                   "reinforce_pp_token"))
+    estimator: str = _opt()   # a registered name or "pkg.module:fn" (lrl.rl.registry)
     epochs: int = _opt(ge=1)
     minibatches: int = _opt(ge=1)
     row_len: int = _opt(ge=0)              # 0 = the token budget
@@ -493,6 +493,8 @@ def _check_across(o: Options) -> None:
     check_param_shard_axes(o.model.shard_axes, "model.param_shard_axes",
                            o.model.param_shard_axes)
     _check_value("data.source", o.data.source, {"choices": SOURCES[o.task]})
+    from lrl.rl import registry   # estimator and policy loss: registered or importable, fitting
+    registry.check(o.rl.estimator, o.rl.loss.policy_loss)
     if o.job == "sft":
         if o.task != "text":
             raise ValueError(f"job='sft' runs on the text task only, not task={o.task!r}")
