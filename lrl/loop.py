@@ -24,6 +24,7 @@ from lrl import distributed
 from lrl import experiment as ex
 from lrl import collect, grpo, step_setup, tasks
 from lrl import pipeline as pipeline_lib
+from lrl import preflight
 from lrl import mesh as mesh_lib
 from lrl import options as options_lib
 from lrl.metrics import MetricsWriter
@@ -64,9 +65,9 @@ class Run:
 
 def run(config, workdir: str) -> dict:
     """Runs the configured job; returns the last metrics of each phase."""
-    opts = ex.options(config)
+    # Every file the run reads checked, before anything is written to the workdir.
+    opts, mesh, rollout_mesh = preflight.start(config, workdir)
     os.makedirs(workdir, exist_ok=True)
-    mesh, rollout_mesh = ex.build_meshes(opts)
     task = tasks.build(opts, workdir, mesh)
     console.banner(opts, workdir, mesh, task.model_cfg)
     c = opts.checkpoint
