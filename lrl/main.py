@@ -41,10 +41,13 @@ def main(argv):
 
 def run(config, workdir: str, verbose: bool = False) -> int:
     """`loop.run`, a user error reported in one message: the exit code (0, or 2)."""
-    from lrl import errors
-    from lrl import loop  # after flag parsing and the log levels, so --help stays fast
-    return errors.run(lambda: loop.run(config, workdir), verbose=verbose, config=config,
-                      workdir=workdir)
+    from lrl import errors, preflight
+
+    def go():
+        started = preflight.start(config, workdir)   # before the loop's imports: errors sooner
+        from lrl import loop  # after flag parsing and the log levels, so --help stays fast
+        loop.run(config, workdir, started=started)
+    return errors.run(go, verbose=verbose, config=config, workdir=workdir)
 
 
 if __name__ == "__main__":

@@ -6,18 +6,21 @@ message (`lrl.errors.UserError`) instead of after a training phase.
     preflight.run(opts, workdir, mesh)      # every check below, in order; the first failure raises
     opts, mesh, rollout_mesh = preflight.start(config, workdir)   # both, and the meshes
 
-What is checked (each cheap: only enough rows to find usable ones, headers not weights):
+What is checked, in this order (each cheap: only enough rows to find usable ones, headers not
+weights; a data file's own faults come before the tokenizer, whose import is the slow part):
   config     what needs the mesh: prompts per step and eval prompts over the data shards
+  data       the training rows: at least one usable (the fields the config names), with the
+             malformed rows met on the way counted and the first listed
+  eval_data  (when `eval.every`) enough usable held-out rows for one eval batch
+  sft_data   (when there is an SFT phase on files) at least one usable prompt/response row
+  rewards    every `reward.spec` name is registered
   tokenizer  loads (a file that does not parse is named), has a chat template, an EOS token
   model      `model.hf_path`: config.json parses and is supported, every safetensors header
              reads, each tensor's shape is what config.json implies, the tokenizer's ids fit
              the vocabulary; a random model: `model.vocab_size` holds the tokenizer's ids
   resume     a workdir that holds a checkpoint: its model has this run's shapes
-  data       the training rows: at least one usable (the fields the config names, a prompt
-             within `data.max_prompt_len`), with the malformed rows met on the way counted
-  eval_data  (when `eval.every`) enough usable held-out rows for one eval batch
-  sft_data   (when there is an SFT phase on files) at least one usable prompt/response row
-  rewards    every `reward.spec` name is registered
+  prompt_lengths  the data and eval checks again, counting only prompts within
+             `data.max_prompt_len` tokens once rendered through the chat template
 
 Adding a check (a reward model, a critic, an environment): write `fn(ctx) -> str | None` that
 raises `UserError(what, culprit, todo)` naming the file or config key and returns a few words
@@ -525,7 +528,7 @@ def _fail(key: str, files: list[str], s: Scan, need: int, what: str, todo: str):
 
 
 def _check_text_data(ctx, key: str, paths: str, what: str, need: int, response=False,
-                     length=True) -> tuple[str, Scan]:
+                     length=False) -> tuple[str, Scan]:
     files = _files(key, paths)
     parse, columns = _text_parse(ctx.opts, response)
     s = scan(files, parse, need, _fits(ctx) if length else (lambda ex: True), columns)
@@ -563,18 +566,19 @@ def _check_video_data(ctx, key: str, paths: str, what: str, need: int) -> str:
     return f"{key}: usable rows from {s.first}"
 
 
-@check("data", after="resume")
-def _data(ctx):
+@check("data", after="config")
+def _data(ctx, length=False):
     o = ctx.opts
     if o.data.source == "synthetic":
         return None
     if o.task == "video":
         return _check_video_data(ctx, "data.paths", o.data.paths, "the training data", 1)
-    return _check_text_data(ctx, "data.paths", o.data.paths, "the training data", 1)[0]
+    return _check_text_data(ctx, "data.paths", o.data.paths, "the training data", 1,
+                            length=length)[0]
 
 
 @check("eval_data", after="data")
-def _eval_data(ctx):
+def _eval_data(ctx, length=False):
     o = ctx.opts
     if not o.eval.every or o.job != "grpo":
         return None
@@ -593,7 +597,7 @@ def _eval_data(ctx):
                                  "the held-out data", 1)
     # The eval reads one pass and drops an incomplete last batch: one full batch at least.
     note, s = _check_text_data(ctx, "data.eval_paths", o.data.eval_paths, "the held-out data",
-                               o.eval.num_prompts)
+                               o.eval.num_prompts, length=length)
     if s.usable < o.eval.num_prompts:
         raise UserError(f"the held-out data has {s.usable} usable rows, fewer than "
                         f"eval.num_prompts={o.eval.num_prompts}: no eval batch would run"
@@ -610,8 +614,20 @@ def _sft_data(ctx):
     o = ctx.opts
     if o.task != "text" or not o.sft.steps or not o.sft.paths:
         return None
-    return _check_text_data(ctx, "sft.paths", o.sft.paths, "the SFT data", 1, response=True,
-                            length=False)[0]
+    return _check_text_data(ctx, "sft.paths", o.sft.paths, "the SFT data", 1,
+                            response=True)[0]
+
+
+@check("prompt_lengths", after="resume")
+def _prompt_lengths(ctx):
+    """The data checks again, counting only prompts within data.max_prompt_len tokens: after
+    the tokenizer's, so that a data file's own faults are found before transformers loads."""
+    o = ctx.opts
+    if o.task != "text" or o.data.source == "synthetic" or ctx.tokenizer() is None:
+        return None
+    _data(ctx, length=True)
+    _eval_data(ctx, length=True)
+    return f"prompts within data.max_prompt_len={o.data.max_prompt_len}"
 
 
 # ----------------------------------------------------------------------------- rewards

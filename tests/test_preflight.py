@@ -268,20 +268,21 @@ def test_the_command_line_exits_2_without_a_traceback(files, tmp_path):
 def test_bad_overrides_leave_a_real_checkpoint_and_its_logs_alone(files, tmp_path, capsys):
     work = str(tmp_path)
     c = tiny_config()
-    c.eval.every = 0
-    c.rl.steps = 1
+    c.eval.every, c.sft.steps, c.rl.steps = 0, 0, 1
     assert main.run(c, work) == 0
     before = _snapshot(work)
-    assert any(k.startswith("checkpoints/4/") for k in before) and "metrics.jsonl" in before
+    assert any(k.startswith("checkpoints/1/") for k in before) and "metrics.jsonl" in before
     for over, needles in ((dict(d_model=64), ["model.d_model", "checkpoint 32, this run 64"]),
                           (dict(n_layers=3), ["model.n_layers"])):
         bad = tiny_config()
+        bad.eval.every, bad.sft.steps, bad.rl.steps = 0, 0, 2
         bad.model.update(**over)
         assert main.run(bad, work) == errors.EXIT_CODE
         err = capsys.readouterr().err
         assert all(n in err for n in needles), err
         assert _snapshot(work) == before
     bad = tiny_config()
+    bad.eval.every, bad.sft.steps, bad.rl.steps = 0, 0, 2
     bad.reward.spec = "nope"
     assert main.run(bad, work) == errors.EXIT_CODE
     assert "reward.spec" in capsys.readouterr().err and _snapshot(work) == before
