@@ -7,17 +7,18 @@ message (`lrl.errors.UserError`) instead of after a training phase.
     opts, mesh, rollout_mesh = preflight.start(config, workdir)   # both, and the meshes
 
 What is checked, in this order (each cheap: only enough rows to find usable ones, headers not
-weights; a data file's own faults come before the tokenizer, whose import is the slow part):
+weights; the data's and the checkpoint's own faults come before the tokenizer, whose import
+(transformers) is the slow part):
   config     what needs the mesh: prompts per step and eval prompts over the data shards
   data       the training rows: at least one usable (the fields the config names), with the
              malformed rows met on the way counted and the first listed
   eval_data  (when `eval.every`) enough usable held-out rows for one eval batch
   sft_data   (when there is an SFT phase on files) at least one usable prompt/response row
   rewards    every `reward.spec` name is registered
+  checkpoint `model.hf_path`: config.json parses and is supported, every safetensors header
+             reads, each tensor's shape is what config.json implies
   tokenizer  loads (a file that does not parse is named), has a chat template, an EOS token
-  model      `model.hf_path`: config.json parses and is supported, every safetensors header
-             reads, each tensor's shape is what config.json implies, the tokenizer's ids fit
-             the vocabulary; a random model: `model.vocab_size` holds the tokenizer's ids
+  model      the tokenizer's ids fit the vocabulary (config.json's, or `model.vocab_size`)
   resume     a workdir that holds a checkpoint: its model has this run's shapes
   prompt_lengths  the data and eval checks again, counting only prompts within
              `data.max_prompt_len` tokens once rendered through the chat template
@@ -63,19 +64,34 @@ _MAX_LISTED = 5                 # malformed rows / mismatched tensors listed in 
 class Check:
     name: str
     fn: Callable[["Context"], Optional[str]]
+    after: Optional[str] = None
 
 
 CHECKS: list[Check] = []
 
 
 def check(name: str, after: str | None = None):
-    """Registers `fn(ctx)` as the start-up check `name`, at the end or right after `after`."""
+    """Registers `fn(ctx)` as the start-up check `name`: it runs right after the check
+    `after` (which may be registered later), or at the end."""
     def deco(fn):
         CHECKS[:] = [c for c in CHECKS if c.name != name]
-        i = next((k + 1 for k, c in enumerate(CHECKS) if c.name == after), len(CHECKS))
-        CHECKS.insert(i, Check(name, fn))
+        CHECKS.append(Check(name, fn, after))
         return fn
     return deco
+
+
+def ordered() -> list[Check]:
+    """The checks in the order they run: each right after its `after`."""
+    out = [c for c in CHECKS if c.after is None]
+    pending = [c for c in CHECKS if c.after is not None]
+    while pending:
+        placed = [c for c in pending if c.after in [x.name for x in out]]
+        if not placed:   # an `after` that names no check: at the end
+            return out + pending
+        for c in placed:
+            out.insert([x.name for x in out].index(c.after) + 1, c)
+            pending.remove(c)
+    return out
 
 
 @dataclasses.dataclass
@@ -131,7 +147,7 @@ def run(opts, workdir: str, mesh=None) -> dict[str, float]:
         importlib.import_module(name)
     ctx = Context(opts, workdir, mesh)
     times, said = {}, []
-    for c in list(CHECKS):
+    for c in ordered():
         t0 = time.perf_counter()
         note = c.fn(ctx)
         times[c.name] = time.perf_counter() - t0
@@ -213,7 +229,7 @@ def _load_tokenizer(path: Optional[str], key: str):
             "file?)", details=bad[:_MAX_LISTED]) from e
 
 
-@check("tokenizer")
+@check("tokenizer", after="checkpoint")
 def _tokenizer(ctx):
     tok = ctx.tokenizer()
     if tok is None:
@@ -320,21 +336,14 @@ def expected_hf_shapes(cfg) -> dict[str, tuple]:
     return out
 
 
-@check("model", after="tokenizer")
-def _model(ctx):
+@check("checkpoint", after="rewards")
+def _checkpoint(ctx):
     o = ctx.opts
-    tok = ctx.tokenizer()
-    tpath, tkey = _tokenizer_path(ctx)
     if not o.model.hf_path:
-        if o.task == "text" and tok is not None and o.model.vocab_size and (
-                o.model.vocab_size < len(tok)):
-            raise UserError(f"model.vocab_size={o.model.vocab_size} is smaller than the "
-                            f"tokenizer's {len(tok)} tokens", "config key model.vocab_size",
-                            f"set it to 0 (the tokenizer's) or at least {len(tok)}")
         return None
     if o.task != "text":   # Qwen2.5-VL: config.json and the weights are checked by its loader
         safetensors_shapes(o.model.hf_path)
-        return "model: safetensors headers read"
+        return "checkpoint: safetensors headers read"
     cfg = ctx.model_config()
     have = safetensors_shapes(o.model.hf_path)
     want = expected_hf_shapes(cfg)
@@ -356,12 +365,29 @@ def _model(ctx):
                         "copy the whole checkpoint (every shard and the index); "
                         "tie_word_embeddings in config.json says whether lm_head.weight is "
                         "needed", details=missing[:_MAX_LISTED])
-    if tok is not None and len(tok) > cfg.vocab_size:
+    return f"checkpoint: {len(want)} tensors, shapes match config.json"
+
+
+@check("model", after="tokenizer")
+def _model(ctx):
+    """The tokenizer's ids fit the model's vocabulary."""
+    o, tok = ctx.opts, ctx.tokenizer()
+    if o.task != "text" or tok is None:
+        return None
+    if not o.model.hf_path:
+        if o.model.vocab_size and o.model.vocab_size < len(tok):
+            raise UserError(f"model.vocab_size={o.model.vocab_size} is smaller than the "
+                            f"tokenizer's {len(tok)} tokens", "config key model.vocab_size",
+                            f"set it to 0 (the tokenizer's) or at least {len(tok)}")
+        return None
+    cfg = ctx.model_config()
+    if len(tok) > cfg.vocab_size:
+        tpath, tkey = _tokenizer_path(ctx)
         raise UserError(f"the tokenizer has {len(tok)} tokens, more than the model's "
                         f"vocabulary of {cfg.vocab_size} (config.json vocab_size): its ids "
                         "would index past the embedding", f"{tkey}={tpath}",
                         "use the model's own tokenizer")
-    return f"model: {len(want)} tensors, shapes match config.json"
+    return None
 
 
 _SHAPE_FIELDS = {"model_type": "model.model_type", "vocab_size": "model.vocab_size",

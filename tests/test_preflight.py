@@ -221,7 +221,8 @@ def test_a_good_setup_passes_every_check(files, tmp_path):
     from lrl import preflight
     opts = preflight.options(_config(files))
     times = preflight.run(opts, str(tmp_path / "run"))
-    assert {"tokenizer", "model", "data", "eval_data", "sft_data", "rewards"} <= set(times)
+    assert {"tokenizer", "checkpoint", "model", "data", "eval_data", "sft_data", "rewards",
+            "resume", "prompt_lengths"} <= set(times)
     assert not (tmp_path / "run").exists()
 
 
