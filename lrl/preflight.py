@@ -240,6 +240,13 @@ def _tokenizer(ctx):
                         "through it", f"{key}={path}",
                         "use the instruct model's tokenizer (its tokenizer_config.json or "
                         "chat_template.jinja holds the template)")
+    if ctx.opts.task == "video":
+        from lrl.tasks.video_data import VISION_TOKENS
+        lost = [t for t in VISION_TOKENS
+                if tok.convert_tokens_to_ids(t) in (None, tok.unk_token_id)]
+        if lost:
+            raise UserError(f"the tokenizer has no ids for the vision tokens {lost}",
+                            f"{key}={path}", "use Qwen2.5-VL's tokenizer")
     cfg = ctx.model_config()
     if tok.eos_token_id is None and not (cfg is not None and cfg.eos_token_ids):
         raise UserError("the tokenizer has no eos_token and the model config no "
