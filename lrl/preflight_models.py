@@ -57,6 +57,11 @@ def _reward_model(ctx):
         raise UserError(f"the reward model's tokenizer has {len(tok)} tokens, more than its "
                         f"vocabulary ({cfg.vocab_size})", f"{key}={tok_path}",
                         "use the tokenizer that came with the reward model")
+    import jax
+    if jax.process_count() > 1:
+        raise UserError(f"a reward model in a run of {jax.process_count()} processes: it scores "
+                        "in one-process runs only for now", "config key reward.model.hf_path",
+                        "run on one host, or score with rule terms only")
     if ctx.mesh is not None:
         shards = ctx.mesh.shape["data"] * ctx.mesh.shape["fsdp"]
         if m.batch_rows % shards:
