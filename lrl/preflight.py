@@ -56,7 +56,7 @@ from lrl.errors import UserError, from_config_error
 log = logging.getLogger(__name__)
 
 # Modules that register more checks (imported by `run`): the data checks live apart.
-MODULES: tuple[str, ...] = ("lrl.preflight_data",)
+MODULES: tuple[str, ...] = ("lrl.preflight_data", "lrl.preflight_models")
 _MAX_LISTED = 5                 # malformed rows / mismatched tensors listed in a message
 
 

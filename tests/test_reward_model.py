@@ -193,3 +193,43 @@ def test_loop_weighs_the_reward_model_in(tmp_path, rm_dir):
         assert r["reward/term_mean/rm"] != 0
         assert r["reward/mean"] == pytest.approx(
             r["reward/term_mean/synthetic"] + 0.5 * r["reward/term_mean/rm"], abs=1e-5)
+
+
+def _rm_config(path, **rm):
+    from tests.test_loop import tiny_config
+    c = tiny_config()
+    c.reward.spec = "synthetic:1.0,rm:0.5"
+    c.reward.model.update(**{**dict(hf_path=str(path), max_len=256, batch_rows=4,
+                                    dtype="float32"), **rm})
+    return c
+
+
+def test_preflight_checks_the_reward_model(tmp_path, rm_dir):
+    """The start-up check reads the reward model's headers and tokenizer and the mesh's
+    divisibility: each fault is a UserError naming the file or config key."""
+    import shutil
+    from lrl import mesh as mesh_lib
+    from lrl import preflight
+    from lrl.errors import UserError
+    path, _ = rm_dir
+    mesh = mesh_lib.make_mesh({"fsdp": 4, "tensor": 2})
+    times = preflight.run(preflight.options(_rm_config(path)), str(tmp_path / "w"), mesh)
+    assert "reward_model" in times
+    with pytest.raises(UserError, match=r"batch_rows=6 does not divide.*reward.model.batch_rows"):
+        preflight.run(preflight.options(_rm_config(path, batch_rows=6)), str(tmp_path / "w"),
+                      mesh)
+    bad = tmp_path / "no_template"
+    shutil.copytree(path, bad)
+    cfg_json = json.loads((bad / "tokenizer_config.json").read_text())
+    cfg_json.pop("chat_template", None)
+    (bad / "tokenizer_config.json").write_text(json.dumps(cfg_json))
+    for t in bad.glob("chat_template.*"):
+        t.unlink()
+    with pytest.raises(UserError, match="no chat template.*reward.model.hf_path="):
+        preflight.run(preflight.options(_rm_config(bad)), str(tmp_path / "w"), mesh)
+    wide = tmp_path / "wide"
+    shutil.copytree(path, wide)
+    hf = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**hf, "intermediate_size": 64}))
+    with pytest.raises(UserError, match="do not have the shape.*config.json"):
+        preflight.run(preflight.options(_rm_config(wide)), str(tmp_path / "w"), mesh)

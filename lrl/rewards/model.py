@@ -136,6 +136,9 @@ def load(opts, mesh, attention: str = "dense", dtype=None, key: str = "reward.mo
     from lrl.data.tokenizer import load_tokenizer
     from lrl.models import score as score_lib
     check(opts, key)
+    if jax.process_count() > 1:   # each process would place its rows as the global batch's
+        raise ValueError(f"{key}.hf_path is set in a run of {jax.process_count()} processes: "
+                         "the reward model scores in one-process runs only for now")
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     if opts.batch_rows % shards:
         raise ValueError(f"{key}.batch_rows={opts.batch_rows} is not a multiple of the mesh's "
