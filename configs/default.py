@@ -34,6 +34,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.job = "grpo"                  # "grpo" (optionally after an SFT warm start) or "sft"
     c.task = "text"                 # "text" prompts, or "video" (configs/video_synthetic.py)
     c.seed = 0
+    c.compile_cache = "auto"         # compiled programs (and the update's memory-derived budget)
+                                     # kept for the next start: "auto" = .lrl-cache beside the
+                                     # workdir, or a folder; "" = off (lrl/compile_cache.py)
 
     # --- the policy model -------------------------------------------------------------------
     c.model = ml_collections.ConfigDict()
@@ -202,8 +205,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                      # after each decode call is collected, with the next one,
                                      # overlap_admission's, in flight); 0 = stop on finished
                                      # groups only
-        partial_tail=0.0,            # also stop once no sample waits and fewer than this share
-                                     # of the slots are live (the tail); 0 = never
+        partial_tail=-1.0,           # also stop once no sample waits and fewer than this share
+                                     # of the slots are live (the tail); 0 = never; -1 = 0.5
+                                     # with partial (measured: docs/partial-rollouts.md)
         partial_seconds=0.0,         # also stop once the rollout has run this long (checked
                                      # after each decode call); 0 = no time budget
         partial_backlog=0.0,         # > 0: new prompts are drawn until the unfinished samples

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from lrl import checkpoint as ckpt_lib
+from lrl import compile_cache
 from lrl import console
 from lrl import distributed
 from lrl import experiment as ex
@@ -55,6 +56,8 @@ class Run:
     guard: ckpt_lib.PreemptionGuard
     writer: MetricsWriter
     rollout_mesh: object = None   # the one-step-off pipeline's (`lrl.pipeline`), else None
+    cache: compile_cache.Cache = dataclasses.field(   # programs and budgets kept on disk
+        default_factory=lambda: compile_cache.Cache(None))
 
     @property
     def eos_ids(self) -> tuple:
@@ -66,6 +69,11 @@ def run(config, workdir: str) -> dict:
     """Runs the configured job; returns the last metrics of each phase."""
     opts = ex.options(config)
     os.makedirs(workdir, exist_ok=True)
+    with compile_cache.enabled(compile_cache.folder(opts.compile_cache, workdir)) as cache:
+        return _run(opts, config, workdir, cache)
+
+
+def _run(opts, config, workdir: str, cache: compile_cache.Cache) -> dict:
     mesh, rollout_mesh = ex.build_meshes(opts)
     task = tasks.build(opts, workdir, mesh)
     console.banner(opts, workdir, mesh, task.model_cfg)
@@ -77,7 +85,8 @@ def run(config, workdir: str) -> dict:
         writer = MetricsWriter(workdir, opts.sft.steps + opts.rl_steps,
                                tensorboard=opts.metrics.tensorboard,
                                phases={"sft": opts.sft.steps, "grpo": opts.rl_steps})
-        r = Run(opts, as_dict(config), workdir, mesh, task, ckpt, guard, writer, rollout_mesh)
+        r = Run(opts, as_dict(config), workdir, mesh, task, ckpt, guard, writer, rollout_mesh,
+                cache)
         try:
             out = _run_phases(r)
         finally:
@@ -234,19 +243,39 @@ def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
         limit, in_use = budget_lib.device_memory(jax.local_devices()[0])
         return int(budget_lib.USABLE * limit) - in_use
 
+    # What a start with the same model, mesh, settings and device found (`lrl.compile_cache`):
+    # its smallest micro-batch's need and its budget, without compiling either again.
+    key = _budget_key(r, cfg, loss_cfg, sizes, state, memory) if memory is not None else None
+    found = compile_cache.load_budget(r.cache.path, key) if key else None
     # The rollout's pool takes its share of what the smallest micro-batch leaves; the update's
     # budget is then what is left.
     engine = decode = None   # with the pipeline, on the rollout mesh (`build_pipeline`)
+    least = 0
+    if memory is not None:
+        least = found["least"] if found else need(*budget_lib.smallest_shape(**sizes))
     if r.rollout_mesh is None:
-        least = need(*budget_lib.smallest_shape(**sizes)) if memory is not None else 0
         engine, decode = _engine(r, state.params, mesh, reserve=least)
-    budget = budget_lib.resolve(**sizes, need_bytes=need if memory is not None else None,
-                                available=available())
+    free = available()
+    if found and found["need"] is not None and found["need"] > free:
+        found = None   # less is free than when it was found: search again
+    if found:
+        budget = budget_lib.Budget(found["row_len"], found["rows_per_shard"], found["derived"],
+                                   found["need"], free if found["need"] is not None else None)
+    else:
+        vocab = task.model_cfg.vocab_size
+        budget = budget_lib.resolve(**sizes, need_bytes=need if memory is not None else None,
+                                    available=free, floor_bytes=budget_lib.logits_floor(
+                                        vocab, mesh.shape["seq"], mesh.shape["tensor"]))
+        if key:
+            compile_cache.save_budget(r.cache.path, key, dict(
+                least=least, row_len=budget.row_len, rows_per_shard=budget.rows_per_shard,
+                derived=budget.derived, need=budget.need_bytes))
     lengths = budget_lib.row_lengths(budget.row_len, sizes["unit"])
     tail = (f"; a minibatch's last rows in rows of {'/'.join(map(str, lengths[1:]))} tokens"
             if len(lengths) > 1 else "")
     r.writer.note(f"update micro-batch: {budget.describe()}{tail}, at most "
-                  f"{cfg.max_segments - 1} sequences a row")
+                  f"{cfg.max_segments - 1} sequences a row"
+                  + (" (found by an earlier start, kept in the compile cache)" if found else ""))
     logp_fn = None
     if rl_.old_logp == "trainer" or kl:
         logp_fn = update_lib.make_logprobs_fn(cfg, mesh, **kw)
@@ -263,6 +292,26 @@ def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
         max_len=loss_cfg.max_len, prefill=prefill, engine=engine, decode=decode,
         # The frozen reference: the policy as this phase starts.
         ref_params=ref_params)
+
+
+def _budget_key(r: Run, cfg, loss_cfg, sizes: dict, state, memory) -> str:
+    """What the update's memory, and what is in use before it, depend on: the update's model
+    config (remat, dtypes, runs a row), its loss, the row settings, the train state's arrays,
+    the rollout pool's settings, the mesh, the device and its memory, jax."""
+    o, device = r.opts, jax.local_devices()[0]
+    return compile_cache.budget_key(
+        model=cfg, model_options=o.model, loss=loss_cfg, sizes=sizes,
+        update=(o.rl.logprob_chunk, o.rl.fused_head, o.rl.old_logp, o.rl.shared_prompt,
+                o.rl.group_size, o.rl.max_new_tokens, o.data.max_prompt_len),
+        rollout=o.rollout, pipeline=o.pipeline, extra=(r.task.extra_keys, _name(r.task.hidden)),
+        state=[(x.shape, x.dtype, str(x.sharding)) for x in jax.tree.leaves(state)],
+        mesh=dict(r.mesh.shape), device=(device.platform, device.device_kind, memory[0],
+                                         jax.process_count(), jax.device_count()),
+        jax=(jax.__version__, getattr(jax.lib, "__version__", "")))
+
+
+def _name(fn) -> str:
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def build_pipeline(r: Run, s: step_setup.Setup, state) -> pipeline_lib.Pipeline:

@@ -32,7 +32,8 @@ def main(argv):
     if not _WORKDIR.value:
         cli.fail("--workdir=DIR is required: where checkpoints, metrics and plots go")
     from lrl import console
-    console.setup_logging(verbose=flags.FLAGS["verbosity"].present)
+    # XLA's C++ log lines go to <workdir>/xla.log unless --verbosity is given
+    console.setup_logging(verbose=flags.FLAGS["verbosity"].present, workdir=_WORKDIR.value)
     from lrl import loop  # after flag parsing and the log levels, so --help stays fast
     loop.run(_CONFIG.value, _WORKDIR.value)
 
