@@ -429,6 +429,8 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
             step += 1
             if dropped:
                 m["partial/dropped_on_resume"], dropped = dropped, 0
+            if r.cache.path:   # programs this start loaded rather than compiled, so far
+                m["compile_cache/loaded"] = r.cache.hits
             m.update(it.stats())
             if held_out and (step % e.every == 0 or step == steps):
                 m.update(grpo.evaluate(roll, sampled(state.params), held_out, e.k,
