@@ -234,7 +234,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # --- evaluation, checkpoints, metrics -------------------------------------------------------
     c.eval = ml_collections.ConfigDict(dict(every=10, num_prompts=64, k=4, temperature=1.0))
     c.checkpoint = ml_collections.ConfigDict(dict(every_steps=20, every_minutes=0.0, keep=2))
-    c.metrics = ml_collections.ConfigDict(dict(tensorboard=True, samples_per_step=2))
+    c.metrics = ml_collections.ConfigDict(dict(
+        tensorboard=True, samples_per_step=2,
+        wandb_project="",            # a Weights & Biases project: steps, config and output
+                                     # files logged there too (pip install wandb); "" = off
+        wandb_entity="",             # "" = your default entity
+        wandb_name="",               # the W&B run's name; "" = the workdir's name
+        wandb_mode="online"))        # online | offline (under <workdir>/wandb, `wandb sync`)
 
     if arg == "runlocal":  # about a minute on 2 CPU cores: every part runs, nothing is learnt
         # One + or - of numbers 0..4 a prompt: 40 SFT steps of the default's task left every

@@ -23,7 +23,7 @@ from lrl import compile_cache
 from lrl import console
 from lrl import distributed
 from lrl import experiment as ex
-from lrl import collect, grpo, step_setup, tasks
+from lrl import collect, grpo, step_setup, tasks, wandb_sink
 from lrl import pipeline as pipeline_lib
 from lrl import mesh as mesh_lib
 from lrl import options as options_lib
@@ -82,8 +82,11 @@ def _run(opts, config, workdir: str, cache: compile_cache.Cache) -> dict:
             os.path.join(workdir, "checkpoints"), keep=c.keep, every_steps=c.every_steps,
             every_minutes=c.every_minutes) as ckpt:
         ckpt.save_tokenizer(task.tokenizer)
+        wb = wandb_sink.settings(opts.metrics)
         writer = MetricsWriter(workdir, opts.sft.steps + opts.rl_steps,
                                tensorboard=opts.metrics.tensorboard,
+                               sink=wandb_sink.Sink(wb, workdir, as_dict(config))
+                               if wb and console.primary() else None,
                                phases={"sft": opts.sft.steps, "grpo": opts.rl_steps})
         r = Run(opts, as_dict(config), workdir, mesh, task, ckpt, guard, writer, rollout_mesh,
                 cache)

@@ -343,6 +343,10 @@ class CheckpointOptions:
 class MetricsOptions:
     tensorboard: bool
     samples_per_step: int = _opt(ge=0)
+    wandb_project: str = _opt()         # "" = no Weights & Biases sink (lrl/wandb_sink.py)
+    wandb_entity: str = _opt()
+    wandb_name: str = _opt()            # "" = the workdir's name
+    wandb_mode: str = _opt(choices=("online", "offline"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,6 +499,9 @@ def _check_across(o: Options) -> None:
                          f"1 to rl.max_new_tokens={o.rl.max_new_tokens} tokens")
     _check_budget(o)
     _check_partial(o)
+    if o.metrics.wandb_project:   # before any compile: the sink starts with the run
+        from lrl import wandb_sink
+        wandb_sink.require(o.metrics.wandb_project)
     if o.rl.loss.dual_clip and o.rl.loss.dual_clip <= 1.0:
         raise ValueError(f"rl.loss.dual_clip={o.rl.loss.dual_clip}: must be 0 (off) or > 1 "
                          "(verl uses 3)")
