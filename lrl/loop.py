@@ -424,11 +424,16 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
             r.writer.write(offset, grpo.evaluate(roll, sampled(state.params), held_out, e.k,
                                                  e.temperature, 0))
         while step < steps:
-            if p is not None:
-                state, m, groups, carry = pipeline_lib.step(p, state, it, step, carry,
-                                                            ahead=step + 1 < steps)
-            else:
-                state, m, groups, carry = grpo.step(s, state, it, step, carry)
+            try:
+                if p is not None:
+                    state, m, groups, carry = pipeline_lib.step(p, state, it, step, carry,
+                                                                ahead=step + 1 < steps)
+                else:
+                    state, m, groups, carry = grpo.step(s, state, it, step, carry)
+            except jax.errors.JaxRuntimeError as e:
+                if not budget_lib.out_of_memory(e):
+                    raise
+                raise MemoryError(out_of_memory_message(opts, s, offset + step + 1, e)) from e
             step += 1
             if dropped:
                 m["partial/dropped_on_resume"], dropped = dropped, 0
@@ -457,6 +462,22 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
         pool.close()
     r.writer.plot("grpo")
     return metrics
+
+
+def out_of_memory_message(opts, s: step_setup.Setup, step: int, e) -> str:
+    """What a step that ran out of device memory says: XLA's numbers and the settings that
+    take memory, each with its value now."""
+    ro, rl_ = opts.rollout, opts.rl
+    first = next((x for x in str(e).splitlines() if "RESOURCE_EXHAUSTED" in x or
+                  "memory" in x.lower()), str(e).splitlines()[0] if str(e) else "")
+    return (f"GRPO step {step} ran out of device memory ({first.strip()[:300]}). The update's "
+            f"micro-batches hold {s.rows_per_shard} x {s.row_len} tokens a data shard "
+            f"(rl.max_tokens_per_micro={rl_.max_tokens_per_micro}, rl.row_len={rl_.row_len}; "
+            "0 = from device memory); lower it, or rollout.pool_fraction="
+            f"{ro.pool_fraction} / rollout.pool_tokens={ro.pool_tokens} (the rollout's KV "
+            f"pool), rollout.max_slots={ro.max_slots}, or keep less with model.remat="
+            f"{opts.model.remat!r} ('full' keeps least); more devices (mesh.fsdp, mesh.seq) "
+            "split it")
 
 
 def _carried(carry) -> dict:

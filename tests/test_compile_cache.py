@@ -138,3 +138,22 @@ def test_the_second_start_loads_programs_and_skips_the_budget_search(tmp_path, m
     assert notes[1] == notes[0] + " (found by an earlier start, kept in the compile cache)"
     budgets = json.loads((tmp_path / ".lrl-cache" / compile_cache.BUDGETS).read_text())
     assert len(budgets) == 1
+
+
+def test_a_step_out_of_memory_names_the_numbers_and_the_settings():
+    from lrl import config_util, options, step_setup
+    c = config_util.load(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs",
+                                      "default.py"))
+    opts = options.from_config(c, check_files=False)
+    s = step_setup.Setup(rl=opts.rl, rollout=opts.rollout, seed=0, task=None, tokenizer=None,
+                         model_cfg=None, mesh=None, eos_ids=(), pool=None, update=None,
+                         logprobs=None, shards=1, row_len=8192, rows_per_shard=12,
+                         max_segments=8)
+    e = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                   "allocate 12.50GiB.\nBuffer assignment: ...")
+    msg = loop.out_of_memory_message(opts, s, 7, e)
+    assert msg.startswith("GRPO step 7 ran out of device memory (RESOURCE_EXHAUSTED: Out of "
+                          "memory while trying to allocate 12.50GiB.)")
+    for part in ("12 x 8192 tokens", "rl.max_tokens_per_micro=4096", "rollout.pool_fraction=0.4",
+                 "model.remat='full'"):
+        assert part in msg, part
