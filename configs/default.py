@@ -34,6 +34,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.job = "grpo"                  # "grpo" (optionally after an SFT warm start) or "sft"
     c.task = "text"                 # "text" prompts, or "video" (configs/video_synthetic.py)
     c.seed = 0
+    c.compile_cache = "auto"         # compiled programs (and the update's memory-derived budget)
+                                     # kept for the next start: "auto" = .lrl-cache beside the
+                                     # workdir, or a folder; "" = off (lrl/compile_cache.py)
 
     # --- the policy model -------------------------------------------------------------------
     c.model = ml_collections.ConfigDict()
@@ -216,8 +219,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                      # after each decode call is collected, with the next one,
                                      # overlap_admission's, in flight); 0 = stop on finished
                                      # groups only
-        partial_tail=0.0,            # also stop once no sample waits and fewer than this share
-                                     # of the slots are live (the tail); 0 = never
+        partial_tail=-1.0,           # also stop once no sample waits and fewer than this share
+                                     # of the slots are live (the tail); 0 = never; -1 = 0.5
+                                     # with partial (measured: docs/partial-rollouts.md)
         partial_seconds=0.0,         # also stop once the rollout has run this long (checked
                                      # after each decode call); 0 = no time budget
         partial_backlog=0.0,         # > 0: new prompts are drawn until the unfinished samples
@@ -244,7 +248,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # --- evaluation, checkpoints, metrics -------------------------------------------------------
     c.eval = ml_collections.ConfigDict(dict(every=10, num_prompts=64, k=4, temperature=1.0))
     c.checkpoint = ml_collections.ConfigDict(dict(every_steps=20, every_minutes=0.0, keep=2))
-    c.metrics = ml_collections.ConfigDict(dict(tensorboard=True, samples_per_step=2))
+    c.metrics = ml_collections.ConfigDict(dict(
+        tensorboard=True, samples_per_step=2,
+        wandb_project="",            # a Weights & Biases project: steps, config and output
+                                     # files logged there too (pip install wandb); "" = off
+        wandb_entity="",             # "" = your default entity
+        wandb_name="",               # the W&B run's name; "" = the workdir's name
+        wandb_mode="online"))        # online | offline (under <workdir>/wandb, `wandb sync`)
 
     if arg == "runlocal":  # about a minute on 2 CPU cores: every part runs, nothing is learnt
         # One + or - of numbers 0..4 a prompt: 40 SFT steps of the default's task left every

@@ -51,7 +51,10 @@ def get_config(arg: str | None = None):
     c.optim.update(lr=1e-6, warmup_steps=5, weight_decay=0.0, b2=0.999, clip_norm=1.0)
     c.reward.update(spec="exact:1.0", num_workers=8, timeout_s=10.0)
     c.rollout.update(page_size=64, max_slots=64, pool_tokens=0, prefill_tokens=16384,
-                     sp_min_tokens=8192)   # prompts this long prefill over the 8 seq devices
+                     sp_min_tokens=8192,   # prompts this long prefill over the 8 seq devices
+                     # Partial rollouts (docs/partial-rollouts.md): the tail's samples go on
+                     # in the next step; a group spanning more than 2 versions is dropped.
+                     partial=True, max_staleness=2)
     c.eval.update(every=20, num_prompts=64, k=4, temperature=0.6)
     c.checkpoint.update(every_steps=5, every_minutes=30.0, keep=3)
     if a.runlocal:

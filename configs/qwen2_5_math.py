@@ -39,7 +39,14 @@ def get_config(arg: str | None = None):
                    clip_norm=1.0)
     c.reward.update(spec="math:1.0", num_workers=16, timeout_s=10.0)
     c.rollout.update(page_size=16, max_slots=256, pool_tokens=0, pool_fraction=0.4,
-                     prefill_tokens=16384)
+                     prefill_tokens=16384,
+                     # Partial rollouts (docs/partial-rollouts.md): a step stops decoding in
+                     # the tail (half the slots idle) and its unfinished samples go on in the
+                     # next step, each token trained against the log-prob of the policy that
+                     # drew it; a group spanning more than max_staleness versions is dropped
+                     # (counted: partial/dropped_stale_groups). 4, not 2: a 15K-token answer
+                     # spans several steps, and dropping it biases against long reasoning.
+                     partial=True, max_staleness=4)
     c.eval.update(every=20, num_prompts=256, k=4, temperature=0.6)
     c.checkpoint.update(every_steps=10, every_minutes=30.0, keep=3)
     return c

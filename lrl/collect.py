@@ -376,6 +376,7 @@ def collect_partial(s: Setup, params, it, step: int, carry: tuple) -> tuple[Grou
                                         keep_fn=keep if dynamic else None,
                                         more_fn=more if dynamic else None)
     m["time/rollout_s"] = time.time() - t0 - score_s[0]
+    m["rollout/sp_prefill"] = float(s.prefill is not None)   # as the synchronous path's
     m.update(pm)
     m.update({f"rollout/{k}": v for k, v in stats.items() if np.isscalar(v)})
     if dynamic:

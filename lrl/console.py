@@ -55,12 +55,42 @@ class _DropHarmless(logging.Filter):
             h in str(record.msg) for h in _HARMLESS)
 
 
-def setup_logging(verbose: bool = False) -> None:
+CPP_LOG = "xla.log"
+_cpp_log: str | None = None   # where the C++ runtime's stderr goes, once `quiet_cpp` ran
+
+
+def quiet_cpp(workdir: str) -> str:
+    """XLA's and its autotuner's C++ log lines (`E1204 ... gemm_fusion_autotuner ...`, written
+    by the runtime straight to file descriptor 2, past Python's logging) go to
+    `workdir`/xla.log, appended; Python's stderr (its logging, warnings and tracebacks) keeps
+    the console. Returns the log's path. Once per process (the CLI's: a library user's stderr
+    is left alone)."""
+    global _cpp_log
+    if _cpp_log is None:
+        os.makedirs(workdir, exist_ok=True)
+        path = os.path.join(os.path.abspath(workdir), CPP_LOG)
+        console = os.fdopen(os.dup(2), "w", buffering=1)
+        log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        sys.stderr.flush()
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        old, sys.stderr = sys.stderr, console
+        from absl import logging as absl_logging
+        handlers = logging.getLogger().handlers + [absl_logging.get_absl_handler().python_handler]
+        for h in handlers:
+            if isinstance(h, logging.StreamHandler) and h.stream in (old, sys.__stderr__):
+                h.setStream(console)
+        _cpp_log = path
+    return _cpp_log
+
+
+def setup_logging(verbose: bool = False, workdir: str | None = None) -> None:
     """Quiet by default: warnings from everyone, INFO from lrl only, without absl's prefix.
     `verbose` (main passes it when `--verbosity` is on the command line) leaves absl's levels
     and format as the flag set them, so orbax's, jax's and grain's INFO lines come back.
     Under absl's app.run the records go through absl's handler; elsewhere (lrl.export)
-    through the root logger's own handlers, or a new one on stderr."""
+    through the root logger's own handlers, or a new one on stderr. With `workdir` and not
+    `verbose`, the C++ runtime's log lines go to a file there (`quiet_cpp`)."""
     # transformers says "PyTorch was not found" at import: true, and irrelevant here (lrl
     # needs torch only to load an export in transformers). Must be set before that import.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -78,6 +108,8 @@ def setup_logging(verbose: bool = False) -> None:
             h.addFilter(_DropHarmless())
     if verbose:
         return
+    if workdir:
+        quiet_cpp(workdir)
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs through absl's logger
     root.setLevel(logging.WARNING)
     logging.getLogger("lrl").setLevel(logging.INFO)
@@ -265,7 +297,14 @@ def banner_lines(config, workdir: str, mesh, model_cfg) -> list[str]:
             f"  data     {data}",
             f"  devices  {len(devices)} x {devices[0].device_kind}{procs}, mesh {mesh_s}",
             "  console  libraries' INFO logs off (--verbosity=0 brings them back); "
-            "every metric is in metrics.jsonl"]
+            "every metric is in metrics.jsonl"
+            + (f"; XLA's C++ log lines in {_cpp_log}" if _cpp_log else ""),
+            f"  cache    {_cache_line(config, workdir)}"]
+
+
+def _cache_line(config, workdir: str) -> str:
+    from lrl import compile_cache
+    return compile_cache.Cache(compile_cache.folder(config.compile_cache, workdir)).describe()
 
 
 def banner(config, workdir: str, mesh, model_cfg) -> None:

@@ -19,11 +19,12 @@ import jax
 import numpy as np
 
 from lrl import checkpoint as ckpt_lib
+from lrl import compile_cache
 from lrl import console
 from lrl import distributed
 from lrl import errors
 from lrl import experiment as ex
-from lrl import collect, grpo, step_setup, tasks
+from lrl import collect, grpo, step_setup, tasks, wandb_sink
 from lrl import pipeline as pipeline_lib
 from lrl import preflight
 from lrl import mesh as mesh_lib
@@ -57,6 +58,8 @@ class Run:
     guard: ckpt_lib.PreemptionGuard
     writer: MetricsWriter
     rollout_mesh: object = None   # the one-step-off pipeline's (`lrl.pipeline`), else None
+    cache: compile_cache.Cache = dataclasses.field(   # programs and budgets kept on disk
+        default_factory=lambda: compile_cache.Cache(None))
 
     @property
     def eos_ids(self) -> tuple:
@@ -70,6 +73,11 @@ def run(config, workdir: str, started=None) -> dict:
     # Every file the run reads checked, before anything is written to the workdir.
     opts, mesh, rollout_mesh = started or preflight.start(config, workdir)
     os.makedirs(workdir, exist_ok=True)
+    with compile_cache.enabled(compile_cache.folder(opts.compile_cache, workdir)) as cache:
+        return _run(opts, config, workdir, cache, mesh, rollout_mesh)
+
+
+def _run(opts, config, workdir: str, cache: compile_cache.Cache, mesh, rollout_mesh) -> dict:
     task = tasks.build(opts, workdir, mesh)
     console.banner(opts, workdir, mesh, task.model_cfg)
     c = opts.checkpoint
@@ -77,10 +85,14 @@ def run(config, workdir: str, started=None) -> dict:
             os.path.join(workdir, "checkpoints"), keep=c.keep, every_steps=c.every_steps,
             every_minutes=c.every_minutes) as ckpt:
         ckpt.save_tokenizer(task.tokenizer)
+        wb = wandb_sink.settings(opts.metrics)
         writer = MetricsWriter(workdir, opts.sft.steps + opts.rl_steps,
                                tensorboard=opts.metrics.tensorboard,
+                               sink=wandb_sink.Sink(wb, workdir, as_dict(config))
+                               if wb and console.primary() else None,
                                phases={"sft": opts.sft.steps, "grpo": opts.rl_steps})
-        r = Run(opts, as_dict(config), workdir, mesh, task, ckpt, guard, writer, rollout_mesh)
+        r = Run(opts, as_dict(config), workdir, mesh, task, ckpt, guard, writer, rollout_mesh,
+                cache)
         try:
             out = _run_phases(r)
         finally:
@@ -237,19 +249,39 @@ def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
         limit, in_use = budget_lib.device_memory(jax.local_devices()[0])
         return int(budget_lib.USABLE * limit) - in_use
 
+    # What a start with the same model, mesh, settings and device found (`lrl.compile_cache`):
+    # its smallest micro-batch's need and its budget, without compiling either again.
+    key = _budget_key(r, cfg, loss_cfg, sizes, state, memory) if memory is not None else None
+    found = compile_cache.load_budget(r.cache.path, key) if key else None
     # The rollout's pool takes its share of what the smallest micro-batch leaves; the update's
     # budget is then what is left.
     engine = decode = None   # with the pipeline, on the rollout mesh (`build_pipeline`)
+    least = 0
+    if memory is not None:
+        least = found["least"] if found else need(*budget_lib.smallest_shape(**sizes))
     if r.rollout_mesh is None:
-        least = need(*budget_lib.smallest_shape(**sizes)) if memory is not None else 0
         engine, decode = _engine(r, state.params, mesh, reserve=least)
-    budget = budget_lib.resolve(**sizes, need_bytes=need if memory is not None else None,
-                                available=available())
+    free = available()
+    if found and found["need"] is not None and found["need"] > free:
+        found = None   # less is free than when it was found: search again
+    if found:
+        budget = budget_lib.Budget(found["row_len"], found["rows_per_shard"], found["derived"],
+                                   found["need"], free if found["need"] is not None else None)
+    else:
+        vocab = task.model_cfg.vocab_size
+        budget = budget_lib.resolve(**sizes, need_bytes=need if memory is not None else None,
+                                    available=free, floor_bytes=budget_lib.logits_floor(
+                                        vocab, mesh.shape["seq"], mesh.shape["tensor"]))
+        if key:
+            compile_cache.save_budget(r.cache.path, key, dict(
+                least=least, row_len=budget.row_len, rows_per_shard=budget.rows_per_shard,
+                derived=budget.derived, need=budget.need_bytes))
     lengths = budget_lib.row_lengths(budget.row_len, sizes["unit"])
     tail = (f"; a minibatch's last rows in rows of {'/'.join(map(str, lengths[1:]))} tokens"
             if len(lengths) > 1 else "")
     r.writer.note(f"update micro-batch: {budget.describe()}{tail}, at most "
-                  f"{cfg.max_segments - 1} sequences a row")
+                  f"{cfg.max_segments - 1} sequences a row"
+                  + (" (found by an earlier start, kept in the compile cache)" if found else ""))
     logp_fn = None
     if rl_.old_logp == "trainer" or kl:
         logp_fn = update_lib.make_logprobs_fn(cfg, mesh, **kw)
@@ -266,6 +298,26 @@ def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
         max_len=loss_cfg.max_len, prefill=prefill, engine=engine, decode=decode,
         # The frozen reference: the policy as this phase starts.
         ref_params=ref_params)
+
+
+def _budget_key(r: Run, cfg, loss_cfg, sizes: dict, state, memory) -> str:
+    """What the update's memory, and what is in use before it, depend on: the update's model
+    config (remat, dtypes, runs a row), its loss, the row settings, the train state's arrays,
+    the rollout pool's settings, the mesh, the device and its memory, jax."""
+    o, device = r.opts, jax.local_devices()[0]
+    return compile_cache.budget_key(
+        model=cfg, model_options=o.model, loss=loss_cfg, sizes=sizes,
+        update=(o.rl.logprob_chunk, o.rl.fused_head, o.rl.old_logp, o.rl.shared_prompt,
+                o.rl.group_size, o.rl.max_new_tokens, o.data.max_prompt_len),
+        rollout=o.rollout, pipeline=o.pipeline, extra=(r.task.extra_keys, _name(r.task.hidden)),
+        state=[(x.shape, x.dtype, str(x.sharding)) for x in jax.tree.leaves(state)],
+        mesh=dict(r.mesh.shape), device=(device.platform, device.device_kind, memory[0],
+                                         jax.process_count(), jax.device_count()),
+        jax=(jax.__version__, getattr(jax.lib, "__version__", "")))
+
+
+def _name(fn) -> str:
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def build_pipeline(r: Run, s: step_setup.Setup, state) -> pipeline_lib.Pipeline:
@@ -376,14 +428,21 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
             r.writer.write(offset, grpo.evaluate(roll, sampled(state.params), held_out, e.k,
                                                  e.temperature, 0))
         while step < steps:
-            if p is not None:
-                state, m, groups, carry = pipeline_lib.step(p, state, it, step, carry,
-                                                            ahead=step + 1 < steps)
-            else:
-                state, m, groups, carry = grpo.step(s, state, it, step, carry)
+            try:
+                if p is not None:
+                    state, m, groups, carry = pipeline_lib.step(p, state, it, step, carry,
+                                                                ahead=step + 1 < steps)
+                else:
+                    state, m, groups, carry = grpo.step(s, state, it, step, carry)
+            except jax.errors.JaxRuntimeError as e:
+                if not budget_lib.out_of_memory(e):
+                    raise
+                raise MemoryError(out_of_memory_message(opts, s, offset + step + 1, e)) from e
             step += 1
             if dropped:
                 m["partial/dropped_on_resume"], dropped = dropped, 0
+            if r.cache.path:   # programs this start loaded rather than compiled, so far
+                m["compile_cache/loaded"] = r.cache.hits
             m.update(it.stats())
             if held_out and (step % e.every == 0 or step == steps):
                 m.update(grpo.evaluate(roll, sampled(state.params), held_out, e.k,
@@ -407,6 +466,22 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
         pool.close()
     r.writer.plot("grpo")
     return metrics
+
+
+def out_of_memory_message(opts, s: step_setup.Setup, step: int, e) -> str:
+    """What a step that ran out of device memory says: XLA's numbers and the settings that
+    take memory, each with its value now."""
+    ro, rl_ = opts.rollout, opts.rl
+    first = next((x for x in str(e).splitlines() if "RESOURCE_EXHAUSTED" in x or
+                  "memory" in x.lower()), str(e).splitlines()[0] if str(e) else "")
+    return (f"GRPO step {step} ran out of device memory ({first.strip()[:300]}). The update's "
+            f"micro-batches hold {s.rows_per_shard} x {s.row_len} tokens a data shard "
+            f"(rl.max_tokens_per_micro={rl_.max_tokens_per_micro}, rl.row_len={rl_.row_len}; "
+            "0 = from device memory); lower it, or rollout.pool_fraction="
+            f"{ro.pool_fraction} / rollout.pool_tokens={ro.pool_tokens} (the rollout's KV "
+            f"pool), rollout.max_slots={ro.max_slots}, or keep less with model.remat="
+            f"{opts.model.remat!r} ('full' keeps least); more devices (mesh.fsdp, mesh.seq) "
+            "split it")
 
 
 def _carried(carry) -> dict:

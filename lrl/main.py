@@ -41,10 +41,14 @@ def main(argv):
 
 def run(config, workdir: str, verbose: bool = False) -> int:
     """`loop.run`, a user error reported in one message: the exit code (0, or 2)."""
-    from lrl import errors, preflight
+    from lrl import console, errors, preflight
 
     def go():
         started = preflight.start(config, workdir)   # before the loop's imports: errors sooner
+        if not verbose:
+            # XLA's C++ log lines go to <workdir>/xla.log: only once the checks passed, so a
+            # refused run leaves the workdir as it was.
+            console.quiet_cpp(workdir)
         from lrl import loop  # after flag parsing and the log levels, so --help stays fast
         loop.run(config, workdir, started=started)
     return errors.run(go, verbose=verbose, config=config, workdir=workdir)

@@ -102,9 +102,10 @@ class MetricsWriter:
                  "sft": ("loss", "token_accuracy_lb")}
 
     def __init__(self, workdir: str, total_steps: int, *, tensorboard: bool = True,
-                 stream=sys.stdout, phases: Mapping[str, int] | None = None):
+                 stream=sys.stdout, phases: Mapping[str, int] | None = None, sink=None):
         """`phases`: the run's plan in order, e.g. {"sft": 300, "grpo": 80} (steps numbered
-        through the run); without it, one GRPO phase of `total_steps`."""
+        through the run); without it, one GRPO phase of `total_steps`. `sink`: another place
+        every step's scalars go (`lrl.wandb_sink.Sink`), finished at `close`."""
         self.workdir = workdir
         self.total = total_steps
         self.phases = dict(phases) if phases is not None else {"grpo": total_steps}
@@ -118,6 +119,7 @@ class MetricsWriter:
         self._purge_step = None
         self._written = False
         self.history: list[dict] = []
+        self.sink = sink if self.primary else None
         if self.primary:
             os.makedirs(workdir, exist_ok=True)
             self._open_logs()
@@ -169,6 +171,8 @@ class MetricsWriter:
             for k, v in scalars.items():
                 tb.add_scalar(f"{phase}/{k}", v, step)
             tb.flush()
+        if self.sink is not None:
+            self.sink.log(step, phase, scalars)
         line = self.progress.line(step, phase, scalars, scalars["time/step_s"])
         if line:
             print(line, file=self.stream, flush=True)
@@ -255,3 +259,5 @@ class MetricsWriter:
             self._samples.close()
             if self._tb is not None:
                 self._tb.close()
+            if self.sink is not None:
+                self.sink.finish()

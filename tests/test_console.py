@@ -79,8 +79,8 @@ def test_requirements_cover_every_third_party_import_of_lrl():
     assert set(OPTIONAL) <= _requirements(os.path.join(ROOT, "requirements-dev.txt"))
 
 
-def _main(*args, timeout=600):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def _main(*args, timeout=600, **env_vars):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **env_vars}
     env.pop("XLA_FLAGS", None)  # one CPU device, as a user's laptop
     return subprocess.run([sys.executable, "-m", "lrl.main", *args], cwd=ROOT,
                           timeout=timeout, capture_output=True, text=True, env=env)
@@ -245,11 +245,18 @@ def test_console_of_a_tiny_run_is_progress_evals_and_a_summary(tmp_path):
                 "--config.rl.max_new_tokens=6", "--config.rl.row_len=128",
                 "--config.data.max_prompt_len=96",
                 "--config.eval.every=2", "--config.eval.num_prompts=2", "--config.eval.k=2",
-                "--config.data.eval_size=2", "--config.metrics.tensorboard=False")
+                "--config.data.eval_size=2", "--config.metrics.tensorboard=False",
+                # XLA's C++ runtime logs everything (as its GPU autotuner's errors on an H200):
+                # the lines go to the workdir's xla.log, not the console
+                TF_CPP_MIN_LOG_LEVEL="0")
     assert out.returncode == 0, out.stderr[-3000:]
     lines = (out.stdout + out.stderr).splitlines()
     absl_prefix = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d")
     assert not [x for x in lines if absl_prefix.match(x)], "library log lines on the console"
+    cpp = (tmp_path / "xla.log").read_text().splitlines()
+    assert [x for x in cpp if absl_prefix.match(x)], "no C++ log line was provoked"
+    assert f"XLA's C++ log lines in {tmp_path / 'xla.log'}" in lines[4]
+    assert lines[5].startswith(f"  cache    {tmp_path.parent / '.lrl-cache'}")
     for bad in ("Traceback", "PyTorch was not found", "Unable to initialize backend",
                 "is illegal", "Missing metrics"):
         assert bad not in out.stdout + out.stderr, bad
@@ -262,7 +269,7 @@ def test_console_of_a_tiny_run_is_progress_evals_and_a_summary(tmp_path):
     assert "4 SFT steps" in lines[done] and "2 GRPO steps" in lines[done]
     assert "held-out reward" in tail and "metrics.jsonl" in tail and "checkpoints/" in tail
     assert lines[-1].startswith("   export to Hugging Face: python -m lrl.export")
-    # banner 5 + 2 phase banners of 2 lines + 4 + 3 progress lines + the summary
-    assert len(lines) <= 5 + 4 + 7 + 12, "\n".join(lines)
+    # banner 6 + 2 phase banners of 2 lines + 4 + 3 progress lines + the summary
+    assert len(lines) <= 6 + 4 + 7 + 12, "\n".join(lines)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 4, 5, 6]

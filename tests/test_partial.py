@@ -276,7 +276,20 @@ def test_partial_options_are_checked():
     with pytest.raises(ValueError, match="rollout.partial_seconds=2.5.*rollout.partial=True"):
         options.from_config(c, check_files=False)
     c.rollout.partial_seconds = 0.0
+    # The tail share: -1 (the default) is PARTIAL_TAIL with partial rollouts and 0 without, so
+    # `rollout.partial=True` alone stops in the tail; set without partial it is refused.
+    assert options.from_config(c, check_files=False).rollout.partial_tail == 0.0
+    c.rollout.partial_tail = 0.3
+    with pytest.raises(ValueError, match="rollout.partial_tail=0.3.*rollout.partial=True"):
+        options.from_config(c, check_files=False)
+    c.rollout.partial_tail = -0.5
+    with pytest.raises(ValueError, match="rollout.partial_tail=-0.5: a share"):
+        options.from_config(c, check_files=False)
+    c.rollout.partial_tail = -1.0
     c.rollout.partial = True
+    assert options.from_config(c, check_files=False).rollout.partial_tail == 0.5
+    c.rollout.partial_tail = 0.0   # stop on finished groups (and budgets) only
+    assert options.from_config(c, check_files=False).rollout.partial_tail == 0.0
     # Dynamic sampling and reinforce_pp run with partial rollouts.
     c.rl.update(dynamic_sampling=True, estimator="reinforce_pp")
     options.from_config(c, check_files=False)
@@ -299,7 +312,8 @@ def _loop_config(monkeypatch, steps, first_long=0):
     c.rl.steps = steps
     c.eval.every = 0
     c.reward.spec = "test_digits:1.0"
-    c.rollout.update(partial=True, partial_tokens=32, max_staleness=2)
+    # the token budget alone stops a step (not the default tail share)
+    c.rollout.update(partial=True, partial_tokens=32, max_staleness=2, partial_tail=0.0)
     rng = np.random.default_rng(0)
     build = loop.build_grpo
     drawn = []

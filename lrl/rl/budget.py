@@ -122,7 +122,8 @@ def out_of_memory(e) -> bool:
 def resolve(*, row_len: int, max_tokens: int, longest: Optional[int], unit: int,
             need_bytes: Optional[Callable[[int, int], int]] = None,
             available: Optional[int] = None, max_rows: int = 64, align: int = 128,
-            row_floor: int = ROW_FLOOR) -> Budget:
+            row_floor: int = ROW_FLOOR,
+            floor_bytes: Optional[Callable[[int, int], int]] = None) -> Budget:
     """The micro-batch shape.
 
     `row_len` / `max_tokens`: the config's (0 = derive); `longest`: the most tokens a sample
@@ -131,7 +132,9 @@ def resolve(*, row_len: int, max_tokens: int, longest: Optional[int], unit: int,
     `need_bytes(rows, row_len)` compiles the update at that shape and returns the bytes it
     needs beyond what is already in use, `available` what the device can still give; either
     None means device memory cannot be read (a CPU), and a budget to derive becomes one row
-    of the longest sample.
+    of the longest sample. `floor_bytes(rows, row_len)`: what that shape needs at the least,
+    known without compiling (`logits_floor`); a shape whose floor exceeds `available` is never
+    compiled, so the search stays below it.
     """
     import math
     derived_unit = math.lcm(unit, align)
@@ -156,8 +159,29 @@ def resolve(*, row_len: int, max_tokens: int, longest: Optional[int], unit: int,
         row_len = _round_up(max(longest, row_floor), derived_unit)
     if not measurable:
         return Budget(row_len, 1, derived=True)
+    if floor_bytes is not None:
+        # The largest row count whose floor fits (at least 1: its compile says the rest).
+        top = max_rows
+        while top > 1 and floor_bytes(top, row_len) > available:
+            top -= 1
+        if top < max_rows:
+            log.info("update micro-batch: at most %d rows of %d tokens before compiling any "
+                     "(%d rows need %.1f GiB at the least, %.1f GiB are free)", top, row_len,
+                     top + 1, floor_bytes(top + 1, row_len) / 2**30, available / 2**30)
+        max_rows = top
     return _fit(lambda k: need_bytes(k, row_len), 1, 1, available,
                 lambda k: Budget(row_len, k, True), longest, max_scale=max_rows)
+
+
+def logits_floor(vocab: int, seq: int = 1, tensor: int = 1) -> Callable[[int, int], int]:
+    """`floor_bytes` for `resolve`: a micro-batch's logits in float32, [its tokens on one
+    device, the vocabulary's slice]. The log-prob pass computes them a chunk at a time, but
+    XLA's GPU autotuner, while compiling, runs the lm head's matmul on buffers of the whole
+    micro-batch (a 157.7 GiB f32[278528, 151936] for 34 rows of 8K at Qwen2.5's vocabulary):
+    a shape past this cannot compile, and asking prints the autotuner's errors."""
+    def floor(rows: int, row_len: int) -> int:
+        return rows * (-(-row_len // seq)) * (-(-vocab // tensor)) * 4
+    return floor
 
 
 def _fit(need: Callable[[int], int], base: int, step: int, available: int,
