@@ -1,0 +1,147 @@
+"""The run a user writes, timed as a user runs it: `python -m lrl.main --config=configs/default.py`
+at Qwen2.5-1.5B shapes (random weights, the synthetic arithmetic prompts, answers that end by
+themselves), each run a separate process, as a rerun or a resume is.
+
+    python experiments/bench/startup.py --out /tmp/startup            # H200: every run below
+    python experiments/bench/startup.py --runs first,second --steps 2
+    python experiments/bench/startup.py --smoke                        # CPU, tiny shapes
+
+Runs (all share one compile cache, `<out>/.lrl-cache`, which `first` starts empty):
+- `first`, `second`: the same command twice in fresh workdirs: the second start finds the
+  compiled programs and the update's micro-batch budget on disk (`lrl.compile_cache`).
+- `sync`, `partial`: `--steps` steps synchronous, then with `--config.rollout.partial=True`
+  alone (its default tail cut): what the switch does to a step.
+The table: wall seconds of the process, step 1's seconds (compiles and the budget search
+included), programs loaded from the cache, C++ log lines (`E1204 ...`, `W1204 ...`) that
+reached the console, and from step 3 on the mean step, rollout, slot occupancy and whole-step
+MFU (`grpo_step.flops_and_prediction`'s FLOP count over --peak-tflops).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+
+# Issue 39's user: Qwen2.5-1.5B shapes on the embedded default, 64 prompts x 8, answers to 8K.
+QWEN_1_5B = dict(d_model=1536, n_layers=28, n_heads=12, n_kv_heads=2, head_dim=128,
+                 mlp_dim=8960, vocab_size=151936, rope_theta=1e6, dtype="bfloat16",
+                 remat="dots_attn")
+RL = dict(prompts_per_step=64, group_size=8, max_new_tokens=8192, row_len=0,
+          max_tokens_per_micro=0, minibatches=4)
+SMOKE_MODEL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=128)
+SMOKE_RL = dict(prompts_per_step=2, group_size=4, max_new_tokens=16, row_len=256,
+                max_tokens_per_micro=1024, minibatches=1)
+# The C++ runtime's log lines: severity letter, month and day, time, thread, file:line.
+CPP_LINE = re.compile(r"^[EWF]\d{4} \d\d:\d\d:\d\d")
+
+
+def overrides(smoke: bool) -> dict:
+    model, rl = (SMOKE_MODEL, SMOKE_RL) if smoke else (QWEN_1_5B, RL)
+    o = {f"model.{k}": v for k, v in model.items()}
+    o.update({f"rl.{k}": v for k, v in rl.items()})
+    o.update({"sft.steps": 0, "eval.every": 0, "checkpoint.every_steps": 1000})
+    return o
+
+
+def command(workdir: str, steps: int, extra: dict, smoke: bool) -> list[str]:
+    o = {**overrides(smoke), "rl.steps": steps, **extra}
+    return ([sys.executable, "-m", "lrl.main", "--config=configs/default.py",
+             f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in o.items()])
+
+
+def run_one(name: str, out: str, steps: int, extra: dict, smoke: bool) -> dict:
+    workdir = os.path.join(out, name)
+    log = os.path.join(out, f"{name}.log")
+    subprocess.run(["rm", "-rf", workdir])   # a fresh start, not a resume
+    t0 = time.time()
+    with open(log, "w") as f:
+        rc = subprocess.run(command(workdir, steps, extra, smoke), cwd=ROOT, stdout=f,
+                            stderr=subprocess.STDOUT).returncode
+    wall = time.time() - t0
+    console = open(log).read().splitlines()
+    rows = []
+    path = os.path.join(workdir, "metrics.jsonl")
+    if os.path.exists(path):
+        rows = [r for r in map(json.loads, open(path)) if "pack/tokens" in r]
+    print(f"{name}: exit {rc}, {wall:.0f} s, {len(rows)} steps (log {log})", flush=True)
+    return dict(name=name, rc=rc, wall=wall, rows=rows, workdir=workdir,
+                cpp_lines=sum(bool(CPP_LINE.match(x)) for x in console),
+                tail=console[-5:] if rc else [])
+
+
+def mfu(row: dict, cfg, a) -> float:
+    sys.path.insert(0, HERE)
+    from grpo_step import flops_and_prediction
+    ns = SimpleNamespace(prompts=a.prompts, group=a.group, slots=a.slots,
+                         peak_tflops=a.peak_tflops, decode_frac=0.5, hbm_tbs=4.1,
+                         prefill_mfu=0.74, update_mfu=0.6)
+    flops, _, _ = flops_and_prediction(row, cfg, ns)
+    return flops / (row["time/step_s"] * a.peak_tflops * 1e12)
+
+
+def model_config(res: dict, smoke: bool):
+    """The policy's ModelConfig as the run built it (its tokenizer is in the workdir)."""
+    from lrl import experiment
+    from lrl.tasks import text
+    sys.path.insert(0, os.path.join(ROOT, "configs"))
+    import default
+    c = default.get_config()
+    for k, v in overrides(smoke).items():
+        section, key = k.split(".")
+        c[section][key] = v
+    opts = experiment.options(c, check_files=False)
+    return text.model_config(opts, text.build_tokenizer(opts, res["workdir"]))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/lrl-bench-startup")
+    ap.add_argument("--runs", default="first,second,sync,partial")
+    ap.add_argument("--start-steps", type=int, default=2, help="steps of first and second")
+    ap.add_argument("--steps", type=int, default=8, help="steps of sync and partial")
+    ap.add_argument("--peak-tflops", type=float, default=791.0)
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args()
+    a.prompts = (SMOKE_RL if a.smoke else RL)["prompts_per_step"]
+    a.group = (SMOKE_RL if a.smoke else RL)["group_size"]
+    a.slots = 128   # configs/default.py's rollout.max_slots
+    os.makedirs(a.out, exist_ok=True)
+    cache = os.path.join(a.out, ".lrl-cache")
+    runs = a.runs.split(",")
+    if "first" in runs:
+        subprocess.run(["rm", "-rf", cache])
+    plan = {"first": (a.start_steps, {}), "second": (a.start_steps, {}),
+            "sync": (a.steps, {}), "partial": (a.steps, {"rollout.partial": True})}
+    results = [run_one(n, a.out, plan[n][0], {"compile_cache": cache, **plan[n][1]}, a.smoke)
+               for n in runs]
+    cfg = next((model_config(r, a.smoke) for r in results if r["rows"]), None)
+    print("\n| run | exit | wall s | step 1 s | loaded from cache | C++ lines on console | "
+          "steps 3+: step s | rollout s | occupancy | carried | MFU |")
+    print("|" + "---|" * 11)
+    for r in results:
+        rows, later = r["rows"], r["rows"][2:]
+        first = rows[0] if rows else {}
+        mean = lambda k: (sum(x.get(k, float("nan")) for x in later) / len(later)  # noqa: E731
+                          if later else float("nan"))
+        m = (sum(mfu(x, cfg, a) for x in later) / len(later)) if later else float("nan")
+        print(f"| {r['name']} | {r['rc']} | {r['wall']:.0f} | "
+              f"{first.get('time/step_s', float('nan')):.1f} | "
+              f"{rows[-1].get('compile_cache/loaded', 0) if rows else 0:.0f} | "
+              f"{r['cpp_lines']} | {mean('time/step_s'):.2f} | {mean('time/rollout_s'):.2f} | "
+              f"{mean('rollout/occupancy'):.0%} | {mean('partial/carried_samples'):.0f} | "
+              f"{m:.1%} |")
+        for line in r["tail"]:
+            print(f"    {line}")
+
+
+if __name__ == "__main__":
+    main()
