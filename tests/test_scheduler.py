@@ -1,12 +1,14 @@
-"""The rollout's schedule pinned before the scheduler's refactor (issue 37): a seeded sampled
-rollout in a pool small enough to preempt gives these tokens, log-probs and schedule (calls,
-steps, preemptions, pages)."""
+"""The scheduler (`lrl.rollout.scheduler`) pinned to the schedule it replaced: a seeded sampled
+rollout in a pool small enough to preempt, and a partial rollout stopped early, give the
+tokens, log-probs and schedule (calls, steps, preemptions, pages) that the pre-refactor
+`generate` gave; and the public `generate`'s keywords go where they belong."""
 import jax
 import numpy as np
 import pytest
 
 import lrl.models as models
 import lrl.rollout as rollout
+from lrl.rollout import scheduler
 
 CFG = models.ModelConfig(model_type="qwen2", vocab_size=64, d_model=32, n_layers=2, n_heads=4,
                          n_kv_heads=2, head_dim=8, mlp_dim=64, remat="none")
@@ -53,6 +55,11 @@ SCHEDULE = {
                     sampled_tokens=354, peak_pages=22, pages_allocated=121),
 }
 FIRST_LOGP = -4.423574447631836   # sample (0, 0)'s first token's log-prob
+# The same, stopped once 70 tokens were sampled, samples forced to LENGTHS (`max_new_fn`).
+LENGTHS = [5, 24, 2, 9, 24, 1, 24, 24, 3, 24, 7, 24]
+# Each sample's tokens: the first STOPPED[p][g] of PREEMPTED[p][g] (the draws are the same).
+STOPPED = [[5, 20, 2], [9, 20, 1], [11, 4, 3], [0, 0, 0]]
+UNFINISHED = ((0, 1), (1, 1), (2, 1), (3, 0), (3, 1), (3, 2))
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +80,36 @@ def test_a_preempting_rollout_keeps_the_old_tokens_and_schedule(setup, mode):
     assert {k: stats[k] for k in SCHEDULE[mode]} == SCHEDULE[mode]
     np.testing.assert_allclose(outs[0][0][1][0], FIRST_LOGP, rtol=1e-5)
     assert stats["new_tokens"] == sum(len(t) for per in PREEMPTED for t in per)
+
+
+def test_a_stopped_rollout_keeps_the_old_tokens_through_the_request(setup):
+    """The partial rollout's arguments in one `Request`, run on an engine by
+    `scheduler.run`: live samples return their tokens so far, waiting ones none."""
+    params, prompts = setup
+    request = rollout.Request(prompts, 24, 3, seed=5, sampling=rollout.SamplingParams(1.0),
+                              eos_ids=(7,), stop_fn=lambda done, n: n >= 70,
+                              max_new_fn=LENGTHS.__getitem__)
+    engine = rollout.engine_for(CFG, request, max_slots=6, page_size=4, prefill_chunk=8,
+                                pool_tokens=4 * 22)
+    stats = {}
+    result = scheduler.run(engine, params, request, stats=stats,
+                           policy=rollout.Policy(steps_per_call=4))
+    assert [[t.tolist() for t, _ in per] for per in result.samples] == [
+        [t[:n] for t, n in zip(per, lengths)] for per, lengths in zip(PREEMPTED, STOPPED)]
+    assert result.unfinished == UNFINISHED and result.kept == {}
+    assert (stats["decode_calls"], stats["sampled_tokens"]) == (5, 75)
+    assert engine.pool.all_free() and all(s is None for s in engine.slot_pages)
+
+
+def test_generate_sends_each_keyword_to_its_owner(setup):
+    params, prompts = setup
+    engine = rollout.engine_for(CFG, rollout.Request(prompts, 4), page_size=4)
+    with pytest.raises(ValueError, match=r"\['page_size'\] size an engine built for the call"):
+        rollout.generate(CFG, params, prompts, max_new_tokens=4, engine=engine, page_size=8)
+    with pytest.raises(TypeError, match="no_such_option"):
+        rollout.generate(CFG, params, prompts, max_new_tokens=4, no_such_option=1)
+    with pytest.raises(ValueError, match="max_new_per_prompt"):
+        rollout.generate(CFG, params, prompts, max_new_tokens=4, max_new_per_prompt=[5] * 4)
+    outs = rollout.generate(CFG, params, prompts, max_new_tokens=4, engine=engine,
+                            steps_per_call=2, max_new_per_prompt=[1, 2, 3, 4])
+    assert [len(per[0][0]) for per in outs] == [1, 2, 3, 4]
