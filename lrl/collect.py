@@ -99,29 +99,38 @@ class Groups:
 
 # ----------------------------------------------------------------------------- rollout
 
-def _generate(s: Setup, params, ids: list, *, group_size: int, seed: int,
-              temperature: Optional[float] = None, stats: Optional[dict] = None,
-              samples: Optional[list] = None, **kw):
-    """`rollout.generate` with the run's engine and sampling settings. `samples`: for each
-    sample id in order (they run on over the requests), (its group's prompt ids, its index in
-    the group, the tokens it has): the key of a benchmark's forced length (`max_new_fn`);
-    by default every request is a fresh group of `group_size`."""
-    rl_ = s.rl
+def _generate(s: Setup, params, ids: list, **kw) -> list:
+    """`_rollout`'s samples: [P][G] (tokens, log-probs)."""
+    return _rollout(s, params, ids, **kw).samples
+
+
+def _rollout(s: Setup, params, ids: list, *, group_size: int, seed: int,
+             temperature: Optional[float] = None, stats: Optional[dict] = None,
+             samples: Optional[list] = None, **kw) -> rollout.Result:
+    """The scheduler (`rollout.run`) on the run's engine (or one sized for the call) with the
+    run's sampling settings; `kw` are `rollout.Request`'s fields. `samples`: for each sample
+    id in order (they run on over the requests), (its group's prompt ids, its index in the
+    group, the tokens it has): the key of a benchmark's forced length (`Setup.max_new_fn`,
+    the request's `max_new_fn`); by default every request is a fresh group of `group_size`."""
+    rl_, ro = s.rl, s.rollout
     forced = None
     if s.max_new_fn is not None:
         who = samples if samples is not None else [(p, g, 0) for p in ids
                                                    for g in range(group_size)]
         forced = lambda sid: max(1, s.max_new_fn(  # noqa: E731
             (np.asarray(who[sid][0], np.int32).tobytes(), who[sid][1])) - who[sid][2])
-    return rollout.generate(
-        s.model_cfg, params, ids, max_new_tokens=rl_.max_new_tokens, num_samples=group_size,
-        temperature=rl_.temperature if temperature is None else temperature,
-        top_k=rl_.top_k, top_p=rl_.top_p, eos_ids=s.eos_ids, seed=seed,
-        page_size=s.rollout.page_size, max_slots=s.rollout.max_slots,
-        pool_tokens=s.rollout.pool_tokens or None, mesh=s.mesh, stats=stats,
-        prefill_fn=s.prefill, engine=s.engine,
-        decode_params=s.decode.refresh(params) if s.decode is not None else None,
-        max_new_fn=forced, overlap_admission=s.rollout.overlap_admission, **kw)
+    temperature = rl_.temperature if temperature is None else temperature
+    request = rollout.Request(
+        ids, rl_.max_new_tokens, group_size, seed,
+        rollout.SamplingParams(float(temperature), int(rl_.top_k), float(rl_.top_p)),
+        s.eos_ids, max_new_fn=forced, **kw)
+    engine = s.engine if s.engine is not None else rollout.engine_for(
+        s.model_cfg, request, mesh=s.mesh, page_size=ro.page_size, max_slots=ro.max_slots,
+        pool_tokens=ro.pool_tokens or None)
+    return rollout.run(
+        engine, params, request, stats=stats, prefill_fn=s.prefill,
+        policy=rollout.Policy(overlap_admission=ro.overlap_admission),
+        decode_params=s.decode.refresh(params) if s.decode is not None else None)
 
 
 def _truncated(s: Setup, completions) -> np.ndarray:
@@ -242,26 +251,25 @@ def partial_rollout(s: Setup, params, carry: tuple, new_prompts: list, step: int
 
 def _decode_round(s: Setup, params, pending: tuple, step: int, target: int, *, tokens: int,
                   seconds: float, seed: int, stats: dict) -> tuple[tuple, int]:
-    """One `generate` call over the unfinished samples of `pending` (drawn by policy version
+    """One rollout (`rollout.run`) of the unfinished samples of `pending` (drawn by policy version
     `step`), stopped once `target` groups are complete, `tokens` are sampled or `seconds`
     have passed (0: no such budget; `partial.stop_rule`) or in the tail. -> (pending after
     it, the carried samples' tokens prefilled again)."""
     ro = s.rollout
     ids, counts, max_new, index = partial.requests(pending, s.rl.max_new_tokens)
-    keep = {} if ro.partial_keep_kv and s.engine is not None else None
-    unfinished = []
     samples = [(pending[i].prompt.ids, j, pending[i].samples[j].tokens.size)
                for per in index for i, j in per]
-    outs = _generate(s, params, ids, group_size=s.rl.group_size, seed=seed, stats=stats,
-                     samples=samples, samples_per_prompt=counts, max_new_per_prompt=max_new,
-                     stop_fn=partial.stop_rule(pending, index, target, tokens, seconds),
-                     stop_below=math.ceil(ro.partial_tail * ro.max_slots),
-                     unfinished=unfinished, kept_out=keep,
-                     kept=[pending[per[0][0]].samples[per[0][1]].kept for per in index])
+    res = _rollout(s, params, ids, group_size=s.rl.group_size, seed=seed, stats=stats,
+                   samples=samples, samples_per_prompt=counts, max_new_per_prompt=max_new,
+                   stop_fn=partial.stop_rule(pending, index, target, tokens, seconds),
+                   stop_below=math.ceil(ro.partial_tail * ro.max_slots),
+                   keep_kv=ro.partial_keep_kv and s.engine is not None,
+                   kept=[pending[per[0][0]].samples[per[0][1]].kept for per in index])
     # A request's ids past its prompt's: a carried sample's tokens, prefilled again.
     reprefill = sum(len(ids[r]) - len(pending[index[r][0][0]].prompt.ids)
                     for r in stats.get("prefilled", ()))
-    return partial.advance(pending, index, outs, unfinished, step, keep), reprefill
+    return partial.advance(pending, index, res.samples, res.unfinished, step,
+                           res.kept), reprefill
 
 
 def _complete_groups(s: Setup, done, step: int) -> Groups:

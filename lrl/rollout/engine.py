@@ -14,13 +14,21 @@ How a prompt of T tokens becomes G samples:
   out of the same decode step with its log-prob.
 - `insert` gives each of the G slots the prompt's full pages (shared, reference counted), its
   own copy of the partly filled last page (the prompt's last sample takes the page itself),
-  and fresh pages for everything it may generate (pages are reserved at insert, so a slot
-  never runs out mid-sample and nothing is ever preempted).
-- `generate` runs decode steps for all live slots at once; a slot stops by itself on an end
-  token or its length limit. `free` returns its pages.
-- A rollout stopped early (partial rollouts) may `keep` a live slot's sample instead: its
-  pages stay in the pool under a `Kept` handle, and a later rollout `resume_slot`s it, with
-  no prefill; `release_kept` returns them (the sample is then prefilled again).
+  and fresh pages for its first tokens (`reserve_slot`'s `first_tokens`; without it, for
+  everything it may generate).
+- `generate` runs decode steps for all live slots at once (or for the live rows only, a
+  narrower program, `rows`); a slot stops by itself on an end token or its length limit.
+  Between calls the host `grow`s each slot's pages a call's worth ahead of it
+  (`with_page_table` hands the device the new rows), and `free` returns a slot's pages.
+  When the pool runs short the scheduler frees the youngest samples' slots (preemption):
+  they run again from their start later and draw the same tokens (keys per sample and step).
+  All of that policy is the scheduler's (`lrl.rollout.scheduler`); the engine holds pages
+  and slots and runs the device steps. Reserving every page at insert (`Policy.reserve_pages`)
+  fits fewer samples at once and preempts none.
+- A rollout stopped early (partial rollouts: the request's stop rule) may `keep` a live
+  slot's sample instead of freeing it: its pages stay in the pool under a `Kept` handle, and
+  a later rollout `resume_slot`s it, with no prefill; `release_kept` returns them (the sample
+  is then prefilled again); the scheduler releases kept pages before it preempts a sample.
 
 Multimodal prompts (optional): a prefix may carry its input embeddings [T, D] (visual rows
 already spliced in, `lrl.models.vl.embed_tokens`) and M-RoPE positions [3, T]. Prefill then

@@ -1,7 +1,7 @@
 """Partial rollouts: the host bookkeeping of groups whose samples outlive one step's rollout.
 
 With `rollout.partial`, a step's rollout stops once a decode-token budget is spent or enough
-groups have finished (`generate`'s `stop_fn`); the samples still running are carried, as
+groups have finished (the `Request`'s `stop_fn`); the samples still running are carried, as
 `Pending` groups, into the next step's rollout, where each comes back as a prompt of its own:
 its prompt and the tokens it has so far, then decoded on under the new weights. Every token
 keeps the log-prob its sampler gave it and that sampler's policy version (the step whose
@@ -94,7 +94,7 @@ def drop_stale(pending: tuple, version: int, max_staleness: int) -> tuple[tuple,
 
 
 def requests(pending: tuple, max_new_tokens: int):
-    """What `generate` runs for the unfinished samples of `pending`: -> (prompt ids [N],
+    """What the rollout runs for the unfinished samples of `pending`: -> (prompt ids [N],
     samples per prompt [N], tokens each may still sample [N], index: for each request, the
     (group, sample) of its samples). Samples not yet begun share one request of their prompt
     (one prefill, shared pages); a begun one is a request of its own, its prompt followed by
@@ -118,7 +118,7 @@ def requests(pending: tuple, max_new_tokens: int):
 
 def stop_rule(pending: tuple, index: list, target_groups: int, token_budget: int,
               seconds: float = 0.0):
-    """`generate`'s stop_fn: stop once `target_groups` groups are complete (those complete
+    """The `Request`'s stop_fn: stop once `target_groups` groups are complete (those complete
     already count), `token_budget` tokens have been sampled (0: no budget) or `seconds` have
     passed since this rule was made, just before the rollout (0: no time budget)."""
     left = [sum(not x.done for x in g.samples) for g in pending]
@@ -139,7 +139,7 @@ def advance(pending: tuple, index: list, results: list, unfinished, version: int
             kept: Optional[dict] = None) -> tuple:
     """`pending` after one rollout: each request's tokens appended to its sample, drawn by
     policy `version`; a sample is done unless `(p, g)` is in `unfinished`; `kept[(p, g)]`:
-    the handle of its pages left in the pool (`generate`'s `keep`)."""
+    the handle of its pages left in the pool (`Result.kept`)."""
     samples = [list(g.samples) for g in pending]
     stopped = set(map(tuple, unfinished))
     kept = kept or {}

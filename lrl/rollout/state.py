@@ -1,0 +1,157 @@
+"""The scheduler's host state (`lrl.rollout.scheduler`): one rollout's slots, what waits, what
+runs, its counts and clocks (`Rollout`), built by `start` and read by `report`.
+
+P prompts · G samples per prompt · B batch rows: the engine's slots.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from typing import Callable, NamedTuple, Optional
+
+import jax
+
+from lrl.rollout.engine import DecodeState, Engine, StepOutput
+from lrl.rollout.pages import pages_for
+from lrl.rollout.request import Policy, Request, check_prompts
+
+
+class Phase(enum.Enum):
+    """A slot's phase. FREE: no sample. LIVE: its sample decodes in the calls launched from
+    its admission on, until the collection that sees it end. WAITING: a multi-turn sample
+    paused between turns, its pages held, out of the decode rows; nothing sets it yet (the
+    next issue: `lrl.rollout.scheduler`'s docstring says where it goes)."""
+    FREE = 0
+    LIVE = 1
+    WAITING = 2
+
+
+@dataclasses.dataclass
+class Slot:
+    """One decode row as the host knows it."""
+    sample: Optional[tuple[int, int]] = None   # (p, g) it holds; None: free
+    phase: Phase = Phase.FREE
+    limit: int = 0         # tokens its sample samples at most
+    cached: int = 0        # cache positions it has filled, as collected
+    rope_delta: int = 0
+    since: int = 0         # the first decode call its sample is in (calls numbered from 0)
+    tokens: list = dataclasses.field(default_factory=list)   # sampled: one array a call
+    logps: list = dataclasses.field(default_factory=list)
+
+    @property
+    def sampled(self) -> int:
+        return sum(len(c) for c in self.tokens)
+
+
+class Call(NamedTuple):
+    """A launched decode call: its output [steps, B], the rows it computed, its number."""
+    out: StepOutput
+    width: int
+    number: int
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One rollout's host state. What waits: `queue` (prompts with samples not yet admitted,
+    `next_sample[p]` the next), `redo` (preempted samples) and `resume` (kept samples, by
+    prompt); what runs: `slots`, `admitted` (the held slots, oldest first: the youngest is
+    preempted first) and `free`; `device` is the engine's decode state, threaded through
+    every device step."""
+    engine: Engine
+    request: Request
+    policy: Policy
+    prompts: list                 # [P] int32 token ids
+    counts: list                  # [P] samples of each prompt
+    max_new: list                 # [P] tokens each of its samples samples at most
+    first_id: list                # [P] the sample id of its first sample
+    device: DecodeState
+    rng: jax.Array
+    params: object                # the trainer's layout (for `prefill_fn`)
+    dparams: object               # the decode layout
+    prefill_fn: Optional[Callable]
+    timed: bool                   # stats asked for: block on a prefill to time it
+    slots: list
+    free: collections.deque
+    queue: collections.deque
+    redo: collections.deque = dataclasses.field(default_factory=collections.deque)
+    admitted: list = dataclasses.field(default_factory=list)
+    resume: dict = dataclasses.field(default_factory=dict)
+    open_prefix: dict = dataclasses.field(default_factory=dict)   # p -> Prefix taking samples
+    limits: dict = dataclasses.field(default_factory=dict)   # sample id -> its limit, asked once
+    next_sample: list = None
+    results: list = None
+    launched: int = 0             # decode calls launched so far
+    in_flight: Optional[Call] = None   # launched, not yet collected
+    finished_now: list = dataclasses.field(default_factory=list)   # since stop_fn was asked
+    stopped: bool = False
+    st: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    prefilled: list = dataclasses.field(default_factory=list)     # prompts, once a prefix
+    # decode_s: the wall time from the first decode call's launch to the last collection,
+    # less the prefills timed alone in it; so it holds the host's work between calls too.
+    t_prefill: float = 0.0
+    t_prefill_decoding: float = 0.0
+    t_decode0: Optional[float] = None
+
+    @property
+    def grow(self) -> bool:
+        """Pages grow with the samples (a call's worth ahead) unless `reserve_pages`."""
+        return not self.policy.reserve_pages
+
+    def waiting(self) -> bool:
+        return bool(self.queue or self.redo)
+
+
+def start(engine: Engine, params, request: Request, policy: Policy, decode_params,
+          prefill_fn, timed: bool) -> Rollout:
+    """The state before the first admission: every sample waiting, every slot free, the
+    kept samples to resume checked against their prompts."""
+    prompts = check_prompts(request.prompts, engine.cfg.vocab_size)
+    counts, max_new = request.counts, request.max_new
+    for i, p in enumerate(prompts):
+        engine.check_fits(len(p), max_new[i], what=f"prompt {i}")
+    resume = {}
+    for p, k in enumerate(request.kept or ()):
+        if k is None or not engine.holds(k):
+            engine.release_kept([k])   # another engine's: prefilled here
+            continue
+        if counts[p] != 1 or k.length != len(prompts[p]) - 1 or k.token != prompts[p][-1]:
+            raise ValueError(f"generate: prompt {p} ({len(prompts[p])} tokens, "
+                             f"{counts[p]} samples) is not its kept sample's ({k.length} "
+                             f"tokens cached, next token {k.token})")
+        resume[p] = k
+    device = engine.take_state()
+    B = engine.ecfg.max_slots
+    return Rollout(
+        engine=engine, request=request, policy=policy, prompts=prompts, counts=counts,
+        max_new=max_new, first_id=request.first_ids(), device=device,
+        rng=jax.random.key(request.seed), params=params,
+        dparams=engine.decode_params(params) if decode_params is None else decode_params,
+        prefill_fn=prefill_fn, timed=timed, slots=[Slot() for _ in range(B)],
+        free=collections.deque(range(B)), queue=collections.deque(range(len(prompts))),
+        resume=resume, next_sample=[0] * len(prompts), results=[[None] * n for n in counts])
+
+
+def report(r: Rollout, t_decode: float) -> dict:
+    """The rollout's stats: counts (decode_steps, new_tokens, sampled_tokens (preempted ones
+    included), kv_token_steps, preempted, ...), timings (prefill_s: prefills timed alone;
+    decode_s: from the first decode call to the last collection, less those) and shares."""
+    e, st, B = r.engine, r.st, r.engine.ecfg.max_slots
+    ps = e.ecfg.page_size
+    steps = max(1, st["decode_steps"] * B)
+    return dict(
+        st, prefill_s=r.t_prefill, decode_s=t_decode, prefilled=r.prefilled,
+        num_pages=e.ecfg.num_pages, slots=B,
+        # the share of decode-step rows that sampled a token
+        occupancy=st["new_tokens"] / steps,
+        # the share of decode-step rows live, what preemption then threw away included: the
+        # slot occupancy over the rollout
+        slot_occupancy=st["sampled_tokens"] / steps,
+        # the share of the rows the decode steps computed that sampled a token (narrow tail
+        # calls compute fewer rows than the slots)
+        row_occupancy=st["sampled_tokens"] / max(1, st["computed_rows"]),
+        attention_impl=e.ecfg.attention_impl, attention_fallback=e.fallback,
+        sampling_impl=e.ecfg.sampling_impl, pages_allocated=e.pool.allocated_total,
+        pages_unshared=sum(n * pages_for(len(p) + m - 1, ps)
+                           for p, n, m in zip(r.prompts, r.counts, r.max_new)),
+        prefill_tokens_unshared=sum(n * (len(p) - 1) for p, n in zip(r.prompts, r.counts)))
