@@ -278,8 +278,9 @@ def launch(r: Rollout) -> Call:
     # Its copies back are queued now, behind this call alone: asked for only at the
     # collection, after the next call's launch, they may wait for that call too. An H200
     # trace showed the device idle between decode calls, 0.25 s of a 1.5 s rollout, as if
-    # the host admitted each call's samples only after the next call had run (docs/benchmark-history.md,
-    # "Seventeenth session"); whether this closes it is not measured.
+    # the host admitted each call's samples only after the next call had run
+    # (docs/benchmark-history.md, "Seventeenth session"); whether this closes it is not
+    # measured.
     for x in (out.tokens, out.logps, out.valid, out.active):
         x.copy_to_host_async()
     call = Call(out, width, r.launched)
