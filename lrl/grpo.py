@@ -420,6 +420,8 @@ def learn(s: Setup, state, groups: Groups, m: dict, before: Optional[dict] = Non
     if s.ppo is None or s.ppo.actor_learns:
         state, um = updates(s, state, batches)
         m.update(um)
+    else:   # the critic's warm-up: the actor's shapes compile now, not when it first learns
+        _compile_seen(s, state.params, batches)
     if s.ppo is not None:
         ppo.end_step(s.ppo, m, groups.P * groups.group_size)
     tokens, slots = sum(b.tokens for b in batches), sum(b.slots for b in batches)
@@ -429,7 +431,8 @@ def learn(s: Setup, state, groups: Groups, m: dict, before: Optional[dict] = Non
     m.update({"time/update_s": time.time() - t0, "time/logprob_s": t_logp,
               # sum of squared sequence lengths: what the update's attention FLOPs grow with
               "pack/seq_len_sq": float(np.sum(np.square(lengths, dtype=np.float64))),
-              "advantage/abs_mean": float(np.abs(adv_PG).mean()),
+              # GAE's per-token advantages set their own (`lrl.ppo.gae_advantages`)
+              "advantage/abs_mean": m.get("advantage/abs_mean", float(np.abs(adv_PG).mean())),
               "pack/micro_batches": sum(len(b.micro) for b in batches),
               # the micro-batch's shape: rows of this many tokens (shorter tail buckets aside)
               "pack/row_len": s.row_len, "pack/rows_per_micro": s.rows_per_shard * s.shards,
@@ -441,6 +444,18 @@ def learn(s: Setup, state, groups: Groups, m: dict, before: Optional[dict] = Non
               "compiles/step": sum(compiles.since(before).values()),
               "compiles/total": compiles.total()})
     return state, m
+
+
+def _compile_seen(s: Setup, params, batches: list[Minibatch]) -> None:
+    """The actor's accumulate on one micro-batch of each shape the step has (no optimizer
+    step): a step of the critic's warm-up trains no actor, but compiles what it will run."""
+    from lrl.rl.update import compile_shapes
+    first = {}
+    for b in batches:
+        for mb in b.micro:
+            first.setdefault(mb["tokens"].shape, (mb, b))
+    for mb, b in first.values():
+        compile_shapes(s.update, params, [mb], b.denoms, b.extra)
 
 
 def ppo_advantages(s: Setup, groups: Groups, mine: np.ndarray, batches: list[Minibatch],

@@ -89,11 +89,12 @@ def build(opts, model_cfg, mesh, critic_state=None, saved: Optional[dict] = None
             float(saved.get("kl_coef", rl.kl_ctrl.coef)), int(saved.get("steps", 0)))
     bs = mesh_lib.batch_sharding(mesh, 2) if mesh is not None else None
     rep = mesh_lib.replicated(mesh) if mesh is not None else None
-    sh = (lambda *x: dict(out_shardings=x)) if mesh is not None else (lambda *x: {})  # noqa: E731
+    def sh(*x):
+        return {} if mesh is None else dict(out_shardings=x if len(x) > 1 else x[0])
     kl = dict(estimator=rl.kl_ctrl.estimator, kl_on=rl.kl_in_reward)
     p.token_pass = jax.jit(functools.partial(_token_pass, gamma=rl.gamma, lam=rl.lam, **kl),
                            **sh(bs, bs, rep, rep))
-    p.whiten = jax.jit(_whiten, **sh(bs))
+    p.whiten = jax.jit(_whiten, **sh(bs, rep))
     p.kl_sums = jax.jit(functools.partial(_kl_sums, estimator=rl.kl_ctrl.estimator,
                                           n=rl.prompts_per_step * rl.group_size),
                         **sh(rep, rep))
@@ -158,6 +159,18 @@ def pack_values(samples: np.ndarray, rewards: np.ndarray, completions: list,
 
 # ----------------------------------------------------------------------------- device halves
 
+def _mask_keys(mb):
+    return {k: mb[k] for k in ("segment_ids", "loss_mask")}
+
+
+def _sid_keys(mb):
+    return {k: mb[k] for k in ("segment_ids", "loss_mask", "sample_id")}
+
+
+def _kl_keys(mb):
+    return {k: mb[k] for k in ("segment_ids", "loss_mask", "sample_id", "old_logp", "ref_logp")}
+
+
 def _mask(mb):
     return jnp.where(mb["segment_ids"] > 0, (mb["loss_mask"] > 0).astype(jnp.float32), 0.0)
 
@@ -165,30 +178,34 @@ def _mask(mb):
 def _token_pass(mb, beta, *, gamma, lam, estimator, kl_on):
     """GAE's first half on one micro-batch -> (raw advantages, returns, whitening sums, KL
     sums)."""
-    from lrl.rl import gae, kl
+    from lrl.rl.gae import gae_packed, whiten_stats
+    from lrl.rl.kl import kl_penalty
     m = _mask(mb)
     r = mb["score"]
     sums = {"kl_seq_mean_sum": jnp.zeros((), jnp.float32),
             "kl_sequences": jnp.zeros((), jnp.float32)}
     if kl_on:
-        r, km = kl.kl_penalty(r, mb["old_logp"], mb["ref_logp"], m, beta, estimator,
+        r, km = kl_penalty(r, mb["old_logp"], mb["ref_logp"], m, beta, estimator,
                               mb["segment_ids"])
         sums = {k: km[k] for k in sums}
-    raw, ret = gae.gae_packed(r, mb["old_values"], m, mb["segment_ids"], gamma, lam)
-    return raw, ret, gae.whiten_stats(raw, m), sums
+    raw, ret = gae_packed(r, mb["old_values"], m, mb["segment_ids"], gamma, lam)
+    return raw, ret, whiten_stats(raw, m), sums
 
 
 def _whiten(raw, mb, stats):
-    from lrl.rl import gae
-    return gae.whiten(raw, _mask(mb), stats)
+    """-> (whitened advantages, the sum of their absolute values over the response)."""
+    from lrl.rl.gae import whiten
+    m = _mask(mb)
+    adv = whiten(raw, m, stats)
+    return adv, jnp.sum(jnp.abs(adv) * m)
 
 
 def _kl_sums(mb, *, estimator, n):
     """Each sample's sum of per-token KL(old || ref) [n + 1] (index 0: padding), and this
     micro-batch's (sum over sequences of their mean token KL, sequences)."""
-    from lrl.rl import kl
+    from lrl.rl.kl import token_kl
     m = _mask(mb)
-    kl_BT = kl.token_kl(mb["old_logp"], mb["ref_logp"], m, estimator)
+    kl_BT = token_kl(mb["old_logp"], mb["ref_logp"], m, estimator)
     sid = mb["sample_id"].astype(jnp.int32)
     per = jnp.zeros((n + 1,), jnp.float32).at[sid].add(kl_BT)
     tok = jnp.zeros((n + 1,), jnp.float32).at[sid].add(m)
@@ -223,7 +240,9 @@ def gae_advantages(p: PPO, batches: list) -> tuple[list, dict]:
     """The rows' advantages and returns by GAE on their token rewards and old values,
     whitened over the step's response tokens -> (batches, metrics)."""
     beta = jnp.float32(p.kl_coef)
-    parts = [[p.token_pass(mb, beta) for mb in b.micro] for b in batches]
+    keys = ("score", "old_values", "segment_ids", "loss_mask") + (
+        ("old_logp", "ref_logp") if p.rl.kl_in_reward else ())
+    parts = [[p.token_pass({k: mb[k] for k in keys}, beta) for mb in b.micro] for b in batches]
     stats = [st for b in parts for (_, _, st, _) in b]
     total = _allsum(np.asarray(jax.device_get([list(s) for s in stats]), np.float64).sum(0))
     kls = _allsum(np.asarray(jax.device_get(
@@ -231,18 +250,21 @@ def gae_advantages(p: PPO, batches: list) -> tuple[list, dict]:
         np.float64).sum(0))
     from lrl.rl.gae import WhitenStats
     whole = WhitenStats(*(jnp.float32(x) for x in total))
-    out, raw_sum, ret_sum = [], 0.0, 0.0
+    out, abs_sums = [], []
     for b, bp in zip(batches, parts):
         micro = []
         for mb, (raw, ret, _, _) in zip(b.micro, bp):
-            micro.append({**mb, "advantages": p.whiten(raw, mb, whole), "returns": ret})
+            adv, abs_sum = p.whiten(raw, _mask_keys(mb), whole)
+            micro.append({**mb, "advantages": adv, "returns": ret})
+            abs_sums.append(abs_sum)
         out.append(dataclasses.replace(b, micro=micro))
     n = max(total[2], 1.0)
     mean = total[0] / n
     m = {"advantage/raw_mean": float(mean),
          "advantage/raw_std": float(np.sqrt(max(total[1] / n - mean * mean, 0.0))),
+         # the whitened advantages' mean size over the response tokens (0: no gradient)
+         "advantage/abs_mean": float(_allsum(np.sum(jax.device_get(abs_sums))) / n),
          "advantage/tokens": float(total[2])}
-    del raw_sum, ret_sum
     return out, {**m, **_kl_metrics(p, kls)}
 
 
@@ -260,7 +282,7 @@ def sample_kl_sums(p: PPO, batches: list, n_local: int) -> tuple[np.ndarray, dic
     per, kls = None, np.zeros(2)
     for b in batches:
         for mb in b.micro:
-            s, k = jax.device_get(p.kl_sums(mb))
+            s, k = jax.device_get(p.kl_sums(_kl_keys(mb)))
             per = s if per is None else per + s
             kls = kls + np.asarray(k, np.float64)
     return np.asarray(per[1:n_local + 1], np.float32), _kl_metrics(p, _allsum(kls))
@@ -278,7 +300,7 @@ def outcome_advantages(p: PPO, batches: list, adv_N: np.ndarray) -> list:
     order `sample_id` counts) over its response tokens."""
     n = p.rl.prompts_per_step * p.rl.group_size
     vec = jnp.asarray(np.pad(np.asarray(adv_N, np.float32), (0, n - len(adv_N))))
-    return [dataclasses.replace(b, micro=[{**mb, "advantages": p.spread(vec, mb)}
+    return [dataclasses.replace(b, micro=[{**mb, "advantages": p.spread(vec, _sid_keys(mb))}
                                           for mb in b.micro]) for b in batches]
 
 
@@ -322,6 +344,6 @@ def warm(p: PPO, params, batches: list) -> None:
         n = p.rl.prompts_per_step * p.rl.group_size
         for b in batches:
             for mb in b.micro:
-                jax.block_until_ready(p.kl_sums(mb))
-                jax.block_until_ready(p.spread(jnp.zeros((n,), jnp.float32), mb))
+                jax.block_until_ready(p.kl_sums(_kl_keys(mb)))
+                jax.block_until_ready(p.spread(jnp.zeros((n,), jnp.float32), _sid_keys(mb)))
     del params

@@ -99,6 +99,10 @@ def values(cfg, params, mb, mesh=None, *, hidden: Callable = models.batch_hidden
                       preferred_element_type=jnp.float32)[..., 0]
 
 
+def _values(params, mb, extra=None, *, cfg, mesh, hidden):
+    return values(cfg, params, mb, mesh, hidden=hidden, extra=extra)
+
+
 @dataclasses.dataclass(frozen=True)
 class ValueObjective:
     """How a micro-batch's value loss is computed."""
@@ -139,8 +143,7 @@ def make_programs(cfg, tx, mesh=None, *, cliprange_value: float, aggregation: st
     kw = {} if mesh is None else dict(param_sh=param_shardings(cfg, mesh),
                                       state_sh=state_shardings(cfg, tx, mesh))
     programs = train_lib.make_accumulate_programs(loss_fn, cfg, tx, mesh, **kw)
-    fwd = functools.partial(values, cfg, mesh=mesh, hidden=hidden)
-    fwd = lambda params, mb, extra=None, _f=fwd: _f(params, mb, extra=extra)  # noqa: E731
+    fwd = functools.partial(_values, cfg=cfg, mesh=mesh, hidden=hidden)
     jitted = (jax.jit(fwd) if mesh is None
               else jax.jit(fwd, out_shardings=mesh_lib.batch_sharding(mesh, 2)))
     return CriticPrograms(programs, jitted, objective, tuple(extra_keys), cfg)
