@@ -198,7 +198,8 @@ def test_ppo_options_name_the_culprit(change, key):
 
 
 def _ppo_config():
-    cfg = tiny_config(estimator="gae", kl_in_reward=True, steps=4, lam=0.95)
+    cfg = tiny_config(estimator="gae", kl_in_reward=True, lam=0.95)
+    cfg.rl.steps = 4
     cfg.rl.kl_ctrl.update(type="adaptive", horizon=100)
     cfg.critic.update(warmup_steps=1, cliprange_value=0.5)
     cfg.critic.optim.lr = 1e-3
