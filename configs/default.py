@@ -117,8 +117,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.temperature = 1.0
     c.rl.top_k = 0
     c.rl.top_p = 1.0
-    c.rl.estimator = "grpo"          # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_token
-                                     # | gae (PPO: a critic, the `critic` section; docs/ppo.md)
+    c.rl.estimator = "grpo"          # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_token |
+                                     # remax (also samples one greedy baseline per prompt) | a
+                                     # registered name or "pkg.module:fn" (docs/extending.md) |
+                                     # gae (PPO: a critic, the `critic` section; docs/ppo.md)
     c.rl.epochs = 1                  # passes over each rollout batch
     c.rl.minibatches = 2             # optimizer steps per epoch (the step's samples split evenly)
     c.rl.row_len = 512               # packed row length for the update; 0 = the token budget
@@ -179,7 +181,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         mask_high=2.0,               # upper end of the band (>= 1)
         staleness_decay=1.0,         # a sample's policy term weighs decay ** age (age: policy
                                      # versions behind the trainer; 0 today); 1.0 = off
-        max_staleness=-1))           # samples older than this weigh 0; -1 = no bound
+        max_staleness=-1,            # samples older than this weigh 0; -1 = no bound
+        policy_loss="ppo_clip"))     # the per-token policy term: ppo_clip (PPO clip with the
+                                     # options above) | a registered name or "pkg.module:fn"
+                                     # (docs/extending.md); aggregation, KL, entropy and the
+                                     # rollout correction apply to it alike
 
     # --- optimizer (GRPO phase) ---------------------------------------------------------------
     c.optim = ml_collections.ConfigDict(dict(

@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from lrl import rollout
+from lrl.rl import registry
 from lrl.rollout import partial
 from lrl.step_setup import Setup
 from lrl.tasks import Prompt
@@ -57,6 +58,9 @@ class Groups:
     # [P*G] policy versions between the parameters that sampled each completion and those
     # that train on it (the staleness weight reads it); None: all 0, a synchronous step
     ages: Optional[np.ndarray] = None
+    # [P] the reward of one greedy sample per prompt, when the estimator asks for a baseline
+    # (ReMax; `with_baseline`): scored, never trained on
+    baseline_P: Optional[np.ndarray] = None
 
     @property
     def P(self) -> int:
@@ -70,7 +74,8 @@ class Groups:
         return Groups(tuple(self.prompts[p] for p in keep), pick(self.completions),
                       pick(self.logps), G, self.truncated[flat], pick(self.texts),
                       None if self.rewards_PG is None else self.rewards_PG[keep],
-                      None if self.ages is None else self.ages[flat])
+                      None if self.ages is None else self.ages[flat],
+                      None if self.baseline_P is None else self.baseline_P[keep])
 
     @staticmethod
     def concat(parts: list["Groups"]) -> "Groups":
@@ -78,10 +83,12 @@ class Groups:
         rewards = [g.rewards_PG for g in parts]
         ages = None if all(g.ages is None for g in parts) else np.concatenate(
             [g.sample_ages() for g in parts])
+        baselines = [g.baseline_P for g in parts]
         return Groups(cat("prompts"), cat("completions"), cat("logps"), parts[0].group_size,
                       np.concatenate([g.truncated for g in parts]), cat("texts"),
                       None if any(r is None for r in rewards) else np.concatenate(rewards),
-                      ages)
+                      ages,
+                      None if any(b is None for b in baselines) else np.concatenate(baselines))
 
     def sample_ages(self) -> np.ndarray:
         """[P*G] each sample's age in policy versions (0 when none was given)."""
@@ -385,6 +392,7 @@ def collect_partial(s: Setup, params, it, step: int, carry: tuple) -> tuple[Grou
         groups, reward_stats = score(groups, s.pool, s.tokenizer)
         m.update(reward_stats)
         m.update(rollout_metrics(groups))
+    groups, m = with_baseline(s, params, groups, m, seed=s.seed * 1_000_003 + step * 101)
     return groups, m, carry
 
 
@@ -426,7 +434,7 @@ def collect(s: Setup, params, it, step: int) -> tuple[Groups, dict]:
         m["time/rollout_s"] = seconds
         draws += 1
         if not rl_.dynamic_sampling:
-            return groups, m
+            return with_baseline(s, params, groups, m, seed)
         keep = informative(groups.rewards_PG)
         m.setdefault("groups/informative_frac", float(keep.mean()))
         if keep.any():
@@ -441,7 +449,24 @@ def collect(s: Setup, params, it, step: int) -> tuple[Groups, dict]:
     merged = Groups.concat(parts)
     keep_P = np.arange(merged.P) < rl_.prompts_per_step
     m["groups/kept"] = int(keep_P.sum())
-    return merged.take(keep_P), m
+    return with_baseline(s, params, merged.take(keep_P), m, seed)
+
+
+def with_baseline(s: Setup, params, groups: Groups, m: dict, seed: int) -> tuple[Groups, dict]:
+    """`groups` with `baseline_P` when `rl.estimator` asks for one (ReMax): one greedy
+    (temperature 0) sample of each prompt, scored by the same reward pool, not trained on;
+    else `groups` as they are. -> (groups, m with reward/baseline_mean and
+    time/baseline_s)."""
+    if not groups.P or not registry.estimator(s.rl.estimator).needs_baseline:
+        return groups, m
+    t0 = time.time()
+    greedy = rollout_groups(s, params, list(groups.prompts), group_size=1, seed=seed,
+                            temperature=0.0)
+    greedy, _ = score(greedy, s.pool, s.tokenizer)
+    baseline_P = greedy.rewards_PG[:, 0].astype(np.float32)
+    m.update({"reward/baseline_mean": float(baseline_P.mean()),
+              "time/baseline_s": time.time() - t0})
+    return dataclasses.replace(groups, baseline_P=baseline_P), m
 
 
 def informative(rewards_PG: np.ndarray) -> np.ndarray:

@@ -93,7 +93,8 @@ def loss_config(opts: options_lib.Options):
                       mask_level=None if L.mask_level == "none" else L.mask_level,
                       mask_low=L.mask_low, mask_high=L.mask_high,
                       staleness_decay=L.staleness_decay,
-                      max_staleness=None if L.max_staleness < 0 else L.max_staleness)
+                      max_staleness=None if L.max_staleness < 0 else L.max_staleness,
+                      policy_loss=L.policy_loss)
 
 
 def optimizer(o: options_lib.OptimOptions, total_steps: int, lr: float | None = None,

@@ -87,8 +87,11 @@ def advantages(groups: Groups, estimator: str, pad_P: int = 0) -> np.ndarray:
     rewards_PG, P = groups.rewards_PG, groups.P
     pad = ((0, max(pad_P - P, 0)), (0, 0))
     rewards_PG, lengths_PG = np.pad(rewards_PG, pad), np.pad(lengths_PG, pad)
+    # ReMax's greedy rewards (`collect.with_baseline`), for an estimator that asks for them
+    baseline_P = None if groups.baseline_P is None else np.pad(groups.baseline_P, pad[0])
     return np.asarray(rl.advantages(rewards_PG, estimator=estimator, lengths_PG=lengths_PG,
-                                    mask_P=np.arange(len(rewards_PG)) < P), np.float32)[:P]
+                                    mask_P=np.arange(len(rewards_PG)) < P,
+                                    baseline_P=baseline_P), np.float32)[:P]
 
 
 def process_share(P: int) -> np.ndarray:

@@ -210,6 +210,7 @@ class LossOptions:
     mask_high: float = _opt(ge=1)
     staleness_decay: float = _opt(gt=0, le=1)
     max_staleness: int = _opt(ge=-1)     # -1 = no bound
+    policy_loss: str = _opt()            # a registered name or "pkg.module:fn" (lrl.rl.registry)
 
     @property
     def corrects_rollout(self) -> bool:
@@ -230,8 +231,7 @@ class RLOptions:
     temperature: float = _opt(ge=0)
     top_k: int = _opt(ge=0)
     top_p: float = _opt(gt=0, le=1)
-    estimator: str = _opt(choices=("grpo", "dr_grpo", "rloo", "reinforce_pp",
-                                   "reinforce_pp_token") + TOKEN_ESTIMATORS)
+    estimator: str = _opt()   # a registered name or "pkg.module:fn" (lrl.rl.registry)
     epochs: int = _opt(ge=1)
     minibatches: int = _opt(ge=1)
     row_len: int = _opt(ge=0)              # 0 = the token budget
@@ -511,6 +511,10 @@ def _check_across(o: Options) -> None:
     check_param_shard_axes(o.model.shard_axes, "model.param_shard_axes",
                            o.model.param_shard_axes)
     _check_value("data.source", o.data.source, {"choices": SOURCES[o.task]})
+    from lrl.rl import registry   # estimator and policy loss: registered or importable, fitting
+    # The run trains a critic for the token-level estimators lrl.ppo builds (gae); another
+    # registered one that needs a critic is refused there, naming rl.estimator.
+    registry.check(o.rl.estimator, o.rl.loss.policy_loss, critic=o.rl.uses_critic)
     if o.job == "sft":
         if o.task != "text":
             raise ValueError(f"job='sft' runs on the text task only, not task={o.task!r}")

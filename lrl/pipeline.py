@@ -160,6 +160,9 @@ def to_state(batch: Optional[Batch]) -> dict:
         "group_size": g.group_size, "truncated": np.asarray(g.truncated).tolist(),
         "texts": list(g.texts), "rewards": np.asarray(g.rewards_PG, "<f4").tobytes(),
         "ages": g.sample_ages().tolist(),
+        # ReMax's greedy rewards (collect.with_baseline), when the estimator asked for them
+        "baseline": (None if g.baseline_P is None
+                     else np.asarray(g.baseline_P, "<f4").tobytes()),
         "metrics": {k: float(v) for k, v in batch.metrics.items()
                     if isinstance(v, (int, float, np.number))}}}
 
@@ -181,10 +184,21 @@ def from_state(d: dict) -> Batch:
         groups = collect.Groups(prompts, completions, logps, G,
                                 np.asarray(d["truncated"], bool), tuple(d["texts"]),
                                 rewards.reshape(len(prompts), G),
-                                np.asarray(d["ages"], np.int32))
+                                np.asarray(d["ages"], np.int32),
+                                # absent from checkpoints written before ReMax
+                                _baseline(d.get("baseline"), len(prompts)))
         return Batch(groups, dict(d["metrics"]))
     except (KeyError, TypeError) as e:
         raise ValueError(f"{type(e).__name__}: {e}") from e
+
+
+def _baseline(saved, P: int) -> Optional[np.ndarray]:
+    if saved is None:
+        return None
+    b = np.frombuffer(saved, "<f4").astype(np.float32)
+    if b.size != P:
+        raise ValueError(f"{P} prompts do not match the saved {b.size} baseline rewards")
+    return b
 
 
 def restore(data_state: dict, pipelined: bool, where: str) -> tuple[Optional[Batch], str]:

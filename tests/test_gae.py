@@ -273,3 +273,42 @@ def test_kl_controllers():
                                rtol=1e-9)
     with pytest.raises(ValueError, match="unknown control"):
         kl_lib.update_kl_coef(0.05, 0.1, 1, control="pid")
+
+
+def test_gae_packed_and_whitening_run_sharded_over_rows():
+    # rows split over the 8 devices: the scan runs along T within each row, the whitening's
+    # sums over every row; the same numbers as on one device
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    rng = np.random.default_rng(5)
+    B, T = 8, 16
+    r, v = rng.normal(size=(B, T)).astype(np.float32), rng.normal(size=(B, T)).astype(np.float32)
+    m = (rng.random((B, T)) < 0.7).astype(np.float32)
+    seg = np.repeat(np.array([[1] * 5 + [2] * 7 + [0] * 4]), B, axis=0).astype(np.int32)
+
+    def step(r, v, m, seg):
+        raw, ret = rl.gae_packed(r, v, m, seg, 0.99, 0.95)
+        mask = jnp.where(seg > 0, m, 0.0)
+        return rl.whiten(raw, mask, rl.whiten_stats(raw, mask)), ret
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None)))  # noqa: E731
+    sharded = jax.jit(step)(*(put(x) for x in (r, v, m, seg)))
+    assert sharded[0].sharding.spec[0] == "data" or len(sharded[0].sharding.device_set) == 8
+    local = step(r, v, m, seg)
+    for a, b in zip(sharded, local):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_outcome_token_rewards_sit_on_each_sequences_last_response_token():
+    # row 0: seq 1 = positions 0-3 (response 2, 3), seq 2 = 4-6 (response 5 only; 6 is off),
+    # pad 7; row 1: one sequence whose response is 1-2
+    seg = np.array([[1, 1, 1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 0, 0, 0]])
+    m = np.array([[0, 0, 1, 1, 0, 1, 0, 1], [0, 1, 1, 0, 0, 0, 0, 0]], np.float32)
+    score = np.array([[0.5] * 4 + [2.0] * 3 + [9.0], [-1.0] * 8])
+    out = rl.outcome_token_rewards(score, m, seg)
+    np.testing.assert_array_equal(out, [[0, 0, 0, 0.5, 0, 2.0, 0, 0], [0, 0, -1.0, 0, 0, 0, 0, 0]])
+    # the GAE of an outcome reward with gamma = lam = 1 and zero values: the score on every
+    # response token
+    raw, _ = rl.gae_packed(out, np.zeros((2, 8)), m, seg, 1.0, 1.0)
+    np.testing.assert_array_equal(raw, [[0, 0, 0.5, 0.5, 0, 2.0, 0, 0],
+                                        [0, -1.0, -1.0, 0, 0, 0, 0, 0]])

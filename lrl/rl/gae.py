@@ -103,6 +103,20 @@ def gae_packed(token_rewards_BT, values_BT, mask_BT, segment_ids_BT, gamma, lam)
     return jnp.where(on_BT, raw_BT, 0.0), jnp.where(on_BT, raw_BT + v_BT, 0.0)
 
 
+def outcome_token_rewards(score_BT, mask_BT, segment_ids_BT):
+    """Token rewards of an outcome score, as verl lays them out: each sequence's score on its
+    last response (masked) token, 0 elsewhere. `score_BT` holds the sequence's score on its
+    tokens (as the packer lays out a per-sequence value, e.g. `seq_values`); packed rows
+    (`segment_ids_BT`, 0 = padding) or one sequence a row alike."""
+    seg_BT = jnp.asarray(segment_ids_BT, jnp.int32)
+    on_BT = (jnp.asarray(mask_BT) > 0) & (seg_BT > 0)
+    b, t = on_BT.shape
+    pos_BT = jnp.where(on_BT, jnp.arange(t)[None, :], -1)
+    last_BS = jnp.full((b, t + 1), -1, jnp.int32).at[jnp.arange(b)[:, None], seg_BT].max(pos_BT)
+    is_last_BT = on_BT & (jnp.take_along_axis(last_BS, seg_BT, axis=1) == jnp.arange(t)[None, :])
+    return jnp.where(is_last_BT, jnp.asarray(score_BT, jnp.float32), 0.0)
+
+
 class WhitenStats(NamedTuple):
     """Sums of a whitening's masked values: they add up over micro-batches and shards."""
     sum: jax.Array

@@ -10,6 +10,8 @@ B·max_len) are computed ONCE over the whole minibatch by `loss_denominators`; a
 then contributes sum(weight · term), so summing the contributions of micro-batches and data
 shards gives exactly the one-big-batch loss (and gradient). `policy_loss` is the plain
 [B, T] form (one sequence per row, one advantage per row) written over the packed core.
+The per-token policy term is PPO clip (`ppo_clip`) unless `LossConfig.policy_loss` names
+another registered one (`lrl.rl.registry`); the rest of the objective stays as here.
 
 Dimension letters: B batch rows · T positions.
 """
@@ -21,7 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lrl.rl import correction
+from lrl.rl import correction, registry
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 RATIO_LEVELS = ("token", "sequence")
@@ -57,6 +59,7 @@ class LossConfig:
     mask_high: float = 2.0
     staleness_decay: float = 1.0
     max_staleness: int | None = None
+    policy_loss: str = "ppo_clip"   # the per-token policy term (`lrl.rl.registry`)
 
     @property
     def corrects_rollout(self) -> bool:
@@ -105,6 +108,7 @@ class LossConfig:
             raise ValueError(f"loss: max_staleness must be >= 0, got {self.max_staleness}")
         if self.max_len is not None and self.max_len <= 0:
             raise ValueError(f"loss: max_len must be positive, got {self.max_len}")
+        registry.policy_loss_fn(self.policy_loss, key="loss: policy_loss")
 
 
 class Denominators(NamedTuple):
@@ -185,6 +189,27 @@ def _clipped_pg(log_ratio, adv, cfg: LossConfig):
     return pg, ratio
 
 
+@registry.register_policy_loss("ppo_clip")
+def ppo_clip(logp_BT, old_logp_BT, adv_BT, mask_BT, cfg: LossConfig):
+    """The default policy term: PPO's clipped surrogate with clip-higher and dual clip
+    (`policy_loss` documents it), as a registered policy loss."""
+    pg_BT, _ = _clipped_pg(jnp.where(mask_BT, logp_BT - old_logp_BT, 0.0), adv_BT, cfg)
+    return pg_BT, {}
+
+
+def _pg_term(log_ratio, logp, adv, on, cfg: LossConfig):
+    """Each token's policy term -> (term, ratio, per-token metrics): PPO clip unless
+    `cfg.policy_loss` names another (`lrl.rl.registry`), which is handed old log-probs
+    without gradient such that logp - old is `log_ratio` (GSPO's sequence ratio too)."""
+    if cfg.policy_loss == "ppo_clip":
+        pg, ratio = _clipped_pg(log_ratio, adv, cfg)
+        return pg, ratio, {}
+    fn = registry.policy_loss_fn(cfg.policy_loss, key="loss: policy_loss")
+    pg, metrics = fn(logp, jax.lax.stop_gradient(logp - log_ratio), adv, on, cfg)
+    ratio = jnp.exp(jnp.clip(jax.lax.stop_gradient(log_ratio), -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    return pg, ratio, metrics
+
+
 def _correction(cfg: LossConfig, on, segment_ids, old_logp, rollout_logp, age):
     """-> (IS weight, keep mask, staleness weight), each 1 where off, without gradient: the
     policy term of a token is multiplied by IS x staleness, and its whole term by keep. The
@@ -244,7 +269,7 @@ def packed_policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, segment_ids_BT,
         log_ratio_BT = logp_BT - jax.lax.stop_gradient(logp_BT) + jax.lax.stop_gradient(
             seq_lr[slots_BT])
         log_ratio_BT = jnp.where(on_BT, log_ratio_BT, 0.0)
-    pg_BT, ratio_BT = _clipped_pg(log_ratio_BT, adv_BT, cfg)
+    pg_BT, ratio_BT, pg_metrics = _pg_term(log_ratio_BT, logp_BT, adv_BT, on_BT, cfg)
     is_BT, keep_BT, stale_BT = _correction(
         cfg, on_BT, segment_ids_BT, old_logp_BT,
         None if rollout_logp_BT is None else rollout_logp_BT.astype(jnp.float32), age_BT)
@@ -281,6 +306,9 @@ def packed_policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, segment_ids_BT,
         "staleness_weight_mean": jnp.sum(jnp.where(on_BT, stale_BT, 0.0)) / tok,
         "tokens": m_BT.sum(),
     }
+    # a registered policy loss's own metrics: token means over the minibatch
+    metrics.update({f"policy_loss/{k}": jnp.sum(jnp.where(on_BT, v, 0.0)) / tok
+                    for k, v in pg_metrics.items()})
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
@@ -331,7 +359,7 @@ def token_loss(logp, ent, aux, *, cfg: LossConfig):
     from `token_loss_aux` (any shape, the same for every entry)."""
     on = aux["on"] > 0
     old = aux["old"] if "old" in aux else jax.lax.stop_gradient(logp)
-    pg, _ = _clipped_pg(jnp.where(on, logp - old, 0.0), aux["adv"], cfg)
+    pg, _, _ = _pg_term(jnp.where(on, logp - old, 0.0), logp, aux["adv"], on, cfg)
     corr, keep = aux.get("corr", 1.0), 1.0
     if "rollout" in aux:   # on-policy: this pass's log-probs are the trainer's old ones
         w_is, keep, _ = _correction(cfg, on, None, old, aux["rollout"], None)
@@ -360,7 +388,7 @@ def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, *, clip_low=0.2, clip_high
                 ref_logp_BT=None, kl_coef=0.0, kl_estimator="k3", entropy_BT=None,
                 entropy_coef=0.0, rollout_logp_BT=None, tis_cap=None, tis_level="token",
                 mask_level=None, mask_low=0.5, mask_high=2.0, age_B=None, staleness_decay=1.0,
-                max_staleness=None):
+                max_staleness=None, policy_loss="ppo_clip"):
     """Clipped policy-gradient loss of B sequences (one per row) -> (loss, metrics).
 
     ratio = exp(logp - old_logp) per token (`ratio_level="token"`) or, GSPO, the exp of the
@@ -383,6 +411,9 @@ def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, *, clip_low=0.2, clip_high
     that level leaves [mask_low, mask_high] leaves the loss, the denominators unchanged; with
     `staleness_decay` or `max_staleness`, row b's policy term is weighted by
     staleness_decay ** age_B[b], 0 past max_staleness.
+    `policy_loss`: the per-token policy term, "ppo_clip" (the above) or another registered
+    name or "pkg.module:function" (`lrl.rl.registry`); aggregation, KL, entropy and the
+    rollout correction apply to it alike.
     """
     logp_BT = jnp.asarray(logp_BT)
     if logp_BT.ndim != 2:
@@ -397,7 +428,7 @@ def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, *, clip_low=0.2, clip_high
                      kl_estimator=kl_estimator, entropy_coef=entropy_coef, tis_cap=tis_cap,
                      tis_level=tis_level, mask_level=mask_level, mask_low=mask_low,
                      mask_high=mask_high, staleness_decay=staleness_decay,
-                     max_staleness=max_staleness)
+                     max_staleness=max_staleness, policy_loss=policy_loss)
     seg_BT = jnp.ones((b, t), jnp.int32)
     # Unpacked, B counts every row (Dr. GRPO's constant normaliser), even one without tokens.
     denoms = loss_denominators(mask_BT, seg_BT)._replace(
