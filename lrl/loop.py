@@ -94,11 +94,15 @@ def _run_phases(r: Run) -> dict:
     rl_tx = ex.optimizer(opts.optim, rl_steps) if rl_steps else sft_tx
     # Both phases use the same optimizer structure (only the schedules differ), so one
     # abstract state restores either phase's checkpoint.
-    # PPO's critic is saved as an item of its own (`lrl.ppo`); read where a step has it.
-    trees = ({"critic": ppo.abstract_critic(opts, r.task.model_cfg, r.mesh)}
-             if rl_steps and opts.rl.uses_critic else None)
-    restored = r.ckpt.restore(train_lib.abstract_train_state(r.task.model_cfg, rl_tx, r.mesh),
-                              trees=trees)
+    # PPO's critic and the frozen reference are saved as items of their own; read where a
+    # step has them (an SFT step has neither).
+    abstract = train_lib.abstract_train_state(r.task.model_cfg, rl_tx, r.mesh)
+    trees = {}
+    if rl_steps and opts.rl.uses_critic:
+        trees["critic"] = ppo.abstract_critic(opts, r.task.model_cfg, r.mesh)
+    if rl_steps and (opts.rl.loss.kl_coef or opts.rl.kl_in_reward):
+        trees["reference"] = abstract.params
+    restored = r.ckpt.restore(abstract, trees=trees)
     if restored is not None:
         log.info("resumed from %s (step %d, phase %s)", restored.path, restored.step,
                  restored.data_state.get("phase"))
@@ -121,9 +125,9 @@ def _run_phases(r: Run) -> dict:
     elif state is None:
         state = _fresh_state(r, r.task.initial_params(), rl_tx)
     if rl_steps:
-        critic = restored.trees.get("critic") if restored and phase == "grpo" else None
+        saved = restored.trees if restored and phase == "grpo" else {}
         out["grpo"] = grpo_phase(r, state, rl_tx, sft_steps, rl_steps, data_state,
-                                 restored.path if restored else "", critic)
+                                 restored.path if restored else "", saved)
     return out
 
 
@@ -190,13 +194,14 @@ def update_model_config(cfg, rl_, sizes: dict):
 
 
 def build_grpo(r: Run, state, tx, pool, critic_state=None,
-               ppo_saved: Optional[dict] = None) -> step_setup.Setup:
+               ppo_saved: Optional[dict] = None, reference=None) -> step_setup.Setup:
     """The GRPO step's compiled programs and fixed inputs, built once for the phase: the
     update for the micro-batch shapes (its token budget from the config or from device
     memory, shorter rows for a minibatch's last ones), the old / reference log-prob pass,
     the sequence-parallel prefill; with `rl.needs_ppo_pass` PPO's part (`lrl.ppo`: the
     critic, restored as `critic_state` or made from the policy, and the KL in the reward,
-    its coefficient from `ppo_saved`)."""
+    its coefficient from `ppo_saved`). `reference`: the frozen reference a checkpoint kept
+    (else the policy as the phase starts)."""
     opts, task, mesh = r.opts, r.task, r.mesh
     rl_ = opts.rl
     loss_cfg = ex.loss_config(opts)
@@ -211,7 +216,10 @@ def build_grpo(r: Run, state, tx, pool, critic_state=None,
     kl = bool(loss_cfg.kl_coef)
     # The frozen reference (the policy as this phase starts), made first: it takes memory.
     ref = kl or rl_.kl_in_reward
-    ref_params = jax.tree.map(lambda x: x.copy(), state.params) if ref else None
+    ref_params = None
+    if ref:
+        ref_params = (reference if reference is not None
+                      else jax.tree.map(lambda x: x.copy(), state.params))
     # So is PPO's critic (its params and optimizer state): the budget below is what the
     # actor, the reference and the critic leave, and a micro-batch fits both updates.
     p = _build_ppo(r, cfg, state, critic_state, ppo_saved, loss_cfg, kw)
@@ -397,10 +405,11 @@ def _bytes(tree) -> int:
 
 
 def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
-               where: str = "", critic_state=None) -> dict:
+               where: str = "", saved: Optional[dict] = None) -> dict:
     """GRPO steps (not optimizer updates: epochs x minibatches of those per step).
     `where`: the checkpoint step directory `data_state` was read from (for its errors);
-    `critic_state`: PPO's critic it restored."""
+    `saved`: the further states it kept (PPO's `critic`, the KL's `reference`)."""
+    saved = saved or {}
     opts = r.opts
     it = r.task.prompts("train")
     if data_state.get("prompt_iter"):
@@ -413,7 +422,11 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
     r.writer.begin_phase("grpo", step, opts)
     p = None
     try:
-        s = build_grpo(r, state, tx, pool, critic_state, data_state.get("ppo"))
+        if data_state.get("step") and _keeps_reference(opts) and "reference" not in saved:
+            log.warning("resume: the checkpoint keeps no KL reference (older lrl): the "
+                        "reference is the restored policy, not the phase's first")
+        s = build_grpo(r, state, tx, pool, saved.get("critic"), data_state.get("ppo"),
+                       saved.get("reference"))
         # Who samples (the eval too): this mesh, or the pipeline's rollout mesh.
         roll, sampled = s, lambda params: params
         if r.rollout_mesh is not None:
@@ -444,8 +457,7 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
                 **(pipeline_lib.to_state(carry) if p is not None else _carried(carry)),
                 **({"ppo": s.ppo.to_state()} if s.ppo is not None else {})},
                         force=stopped or step == steps,
-                        trees=({"critic": s.ppo.state} if s.ppo is not None
-                               and s.ppo.critic is not None else None))
+                        trees=_trees(s))
             if stopped:
                 log.info("stopping at step %d on request (SIGTERM); checkpoint saved",
                          offset + step)
@@ -457,6 +469,22 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
         pool.close()
     r.writer.plot("grpo")
     return metrics
+
+
+def _keeps_reference(opts) -> bool:
+    """The step keeps a frozen reference (a KL in the loss or in the reward)."""
+    return bool(opts.rl.loss.kl_coef or opts.rl.kl_in_reward)
+
+
+def _trees(s: step_setup.Setup) -> dict:
+    """The states a GRPO checkpoint keeps beside the policy's: the frozen reference (the policy
+    as the phase began: a resume must not take the restored policy for it) and PPO's critic."""
+    out = {}
+    if s.ref_params is not None:
+        out["reference"] = s.ref_params
+    if s.ppo is not None and s.ppo.critic is not None:
+        out["critic"] = s.ppo.state
+    return out
 
 
 def _carried(carry) -> dict:
