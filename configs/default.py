@@ -211,6 +211,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.reward.timeout_s = 10.0
     c.reward.fail_frac = 1.0         # share of a scoring call's items failing that fails the call
     c.reward.fail_patience = 3       # that many failed calls in a row stop the run; 0: never
+    # A reward model, the spec's "rm" term (e.g. spec="math:0.8,rm:0.2"), scored on the mesh in
+    # its own chat template (docs/reward-models.md).
+    c.reward.model = ml_collections.ConfigDict(dict(
+        hf_path="",                  # a *ForSequenceClassification directory; "" = none
+        tokenizer_path="",           # "" = the reward model's directory
+        max_len=4096,                # tokens of its packed rows; longer conversations are cut
+        batch_rows=8,                # rows of one forward call (a multiple of data x fsdp)
+        dtype="bfloat16"))
 
     # --- rollout engine ---------------------------------------------------------------------
     # Built once for the run: its pool, compiled programs and decode-layout weights are kept.

@@ -41,10 +41,11 @@ def get_config(arg: str | None = None):
                 max_tokens_per_micro=131072,   # one 128K row over the 8 seq devices
                 dynamic_sampling=True, overlong="mask",
                 # one long row a step: fewer, larger log-prob chunks re-read the fp32
-                # unembedding gradient less often (BENCHMARKS: 60.2% MFU at 32K with 8192)
+                # unembedding gradient less often (60.2% MFU at 32K with 8192:
+                # docs/benchmark-history.md, "Larger log-prob chunks")
                 logprob_chunk=8192,
                 # a group's ~120K-token prompt once per row, not 8 times: the update's
-                # FLOPs fall ~7x at 128K (BENCHMARKS, shared_prompt.py); exact
+                # FLOPs fall ~7x at 128K (BENCHMARKS.md, "The shared-prompt update"); exact
                 shared_prompt="auto")
     c.rl.loss.update(clip_low=0.2, clip_high=0.28, aggregation="token_mean")
     c.optim.update(lr=1e-6, warmup_steps=5, weight_decay=0.0, b2=0.999, clip_norm=1.0)

@@ -74,11 +74,20 @@ def data_shards(mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def reward_pool(opts: options_lib.Options):
+def reward_pool(opts: options_lib.Options, mesh=None):
+    """The rule terms' worker pool; with a reward model (`reward.model.hf_path`), that pool
+    and the model on `mesh` together (`lrl.rewards.model.ModelRewardPool`)."""
     from lrl.rewards import RewardPool
     r = opts.reward
-    return RewardPool(r.spec, num_workers=r.num_workers, timeout_s=r.timeout_s,
-                      fail_frac=r.fail_frac, fail_patience=r.fail_patience)
+    if not r.model.hf_path:
+        return RewardPool(r.spec, num_workers=r.num_workers, timeout_s=r.timeout_s,
+                          fail_frac=r.fail_frac, fail_patience=r.fail_patience)
+    from lrl.rewards import model as rm_lib
+    rules, weight = rm_lib.split_spec(r.spec)
+    pool = RewardPool(rules, num_workers=r.num_workers, timeout_s=r.timeout_s,
+                      fail_frac=r.fail_frac, fail_patience=r.fail_patience) if rules else None
+    rm = rm_lib.load(r.model, mesh, attention=opts.model.attention)
+    return rm_lib.ModelRewardPool(pool, rm, weight)
 
 
 def loss_config(opts: options_lib.Options):

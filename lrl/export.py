@@ -2,6 +2,7 @@
 
     python -m lrl.export --checkpoint=DIR [--step=N] --output=OUT [--dtype=bfloat16]
                          [--format=hf|torch] [--overwrite] [--tokenizer=TOKDIR] [--noverify]
+                         [--role=policy|critic]
 
 Runs on one host without the training mesh: only the parameters are read (never the
 optimizer state), each whole on one CPU device, from the orbax checkpoint written by
@@ -10,6 +11,11 @@ holding `checkpoints/`, or one step directory).
 Written to OUT: `model.safetensors` (or shards plus `model.safetensors.index.json` above
 `--max_shard_bytes`), `config.json`, `generation_config.json`, the tokenizer (from `--tokenizer`
 or the checkpoint's `tokenizer/`) and, with `--format=torch`, `pytorch_model.bin`.
+
+With `--role=critic` it writes PPO's critic instead (the checkpoint's `critic` item: the
+decoder and its value head) as a HF `*ForTokenClassification` with one label, checked by
+reloading it with `lrl.models.score.load_hf_score` and comparing values
+(`lrl.export_critic`).
 
 Everything is written to a sibling temporary directory, checked, and only then moved to OUT:
 the check reloads the written files with `lrl.models.load_hf` and compares a forward pass
@@ -202,6 +208,17 @@ def export(checkpoint: str, output: str, step: Optional[int] = None, dtype: Opti
     err = _verify(cfg, params, tmp, fmt, DEFAULT_TOL[dtype] if tol is None else tol) \
         if verify else None
 
+    _move_into(tmp, output)
+    report = {"step": got.step, "checkpoint": got.path, "output": output, "dtype": dtype,
+              "format": fmt, "files": sorted(set(files)), "max_rel_err": err,
+              "skipped": [s for s, _, _ in got.skipped],
+              "skipped_why": {s: why for s, _, why in got.skipped}}
+    log.debug("export: %s", report)  # main prints it; a caller has it returned
+    return report
+
+
+def _move_into(tmp: str, output: str) -> None:
+    """The checked temporary directory becomes `output` (its old contents removed)."""
     if os.path.isdir(output) and os.listdir(output):
         old = f"{output}.old-export-{os.getpid()}"
         os.replace(output, old)
@@ -211,12 +228,6 @@ def export(checkpoint: str, output: str, step: Optional[int] = None, dtype: Opti
         if os.path.isdir(output):
             os.rmdir(output)
         os.replace(tmp, output)
-    report = {"step": got.step, "checkpoint": got.path, "output": output, "dtype": dtype,
-              "format": fmt, "files": sorted(set(files)), "max_rel_err": err,
-              "skipped": [s for s, _, _ in got.skipped],
-              "skipped_why": {s: why for s, _, why in got.skipped}}
-    log.debug("export: %s", report)  # main prints it; a caller has it returned
-    return report
 
 
 def main(argv=None) -> int:
@@ -236,14 +247,25 @@ def main(argv=None) -> int:
                     help="safetensors shard size above which the weights are split")
     ap.add_argument("--params_key", default="params",
                     help="top-level entry of the state holding the parameters")
+    ap.add_argument("--role", choices=("policy", "critic"), default="policy",
+                    help="critic: PPO's critic as a HF *ForTokenClassification")
     args = ap.parse_args(argv)
     from lrl import console
     console.setup_logging()
     try:
-        report = export(args.checkpoint, args.output, step=args.step, dtype=args.dtype,
-                        fmt=args.format, overwrite=args.overwrite, tokenizer=args.tokenizer,
-                        verify=not args.noverify, tol=args.tol,
-                        max_shard_bytes=args.max_shard_bytes, params_key=args.params_key)
+        if args.role == "critic":
+            if args.format != "hf":
+                raise ValueError("--role=critic writes --format=hf only")
+            from lrl.export_critic import export_critic_checkpoint
+            report = export_critic_checkpoint(
+                args.checkpoint, args.output, step=args.step, dtype=args.dtype,
+                overwrite=args.overwrite, tokenizer=args.tokenizer, verify=not args.noverify,
+                tol=args.tol, max_shard_bytes=args.max_shard_bytes)
+        else:
+            report = export(args.checkpoint, args.output, step=args.step, dtype=args.dtype,
+                            fmt=args.format, overwrite=args.overwrite,
+                            tokenizer=args.tokenizer, verify=not args.noverify, tol=args.tol,
+                            max_shard_bytes=args.max_shard_bytes, params_key=args.params_key)
     except (OSError, ValueError, RuntimeError) as e:  # bad input or a failed check: say which
         print(f"lrl.export: error: {e}", file=sys.stderr)
         return 1

@@ -21,9 +21,11 @@ import numpy as np
 from lrl import checkpoint as ckpt_lib
 from lrl import console
 from lrl import distributed
+from lrl import errors
 from lrl import experiment as ex
 from lrl import collect, grpo, ppo, step_setup, tasks
 from lrl import pipeline as pipeline_lib
+from lrl import preflight
 from lrl import mesh as mesh_lib
 from lrl import options as options_lib
 from lrl.metrics import MetricsWriter
@@ -62,11 +64,12 @@ class Run:
         return tuple(int(e) for e in (cfg.eos_token_ids or (tok.eos_token_id,)))
 
 
-def run(config, workdir: str) -> dict:
-    """Runs the configured job; returns the last metrics of each phase."""
-    opts = ex.options(config)
+def run(config, workdir: str, started=None) -> dict:
+    """Runs the configured job; returns the last metrics of each phase. `started`: what
+    `preflight.start(config, workdir)` returned, when the caller ran it already."""
+    # Every file the run reads checked, before anything is written to the workdir.
+    opts, mesh, rollout_mesh = started or preflight.start(config, workdir)
     os.makedirs(workdir, exist_ok=True)
-    mesh, rollout_mesh = ex.build_meshes(opts)
     task = tasks.build(opts, workdir, mesh)
     console.banner(opts, workdir, mesh, task.model_cfg)
     c = opts.checkpoint
@@ -368,10 +371,11 @@ def _engine(r: Run, params, mesh, reserve: int = 0):
         page_bytes = pages_lib.kv_bytes_per_token(cfg) * ps // shards
         num_pages = min(full, int(free * ro.pool_fraction) // page_bytes)
         if num_pages < pages_for(prompt + new - 1, ps) + pages_for(prompt, ps) + 1:
-            raise ValueError(
+            raise errors.UserError(
                 f"rollout.pool_fraction={ro.pool_fraction} of the {free / 2**30:.1f} GiB the "
                 f"update leaves holds {num_pages} pages of {ps} tokens, less than one sample of "
-                f"{prompt} + {new} tokens; raise it, or set rollout.pool_tokens")
+                f"{prompt} + {new} tokens", "config key rollout.pool_fraction",
+                "raise it, set rollout.pool_tokens, or lower rl.max_tokens_per_micro")
     else:
         num_pages = full
     ecfg = rollout_lib.engine_config(
@@ -414,7 +418,7 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
     it = r.task.prompts("train")
     if data_state.get("prompt_iter"):
         it.set_state(data_state["prompt_iter"])
-    pool = ex.reward_pool(opts)
+    pool = ex.reward_pool(opts, r.mesh)
     e = opts.eval
     held_out = r.task.eval_batches() if e.every else []
     step, metrics = int(data_state.get("step", 0)), {}

@@ -3,6 +3,8 @@
 Config fields are overridden with `--config.rl.steps=40`; the config is locked, so an unknown
 key fails in one line naming the closest field. `--print_config` lists every field with its
 comment; `--help` says the rest. A `--workdir` that holds a checkpoint resumes that run.
+Bad input (config, paths, data, tokenizer, checkpoint, memory) is one message and exit code 2
+(`lrl.errors`); `--verbosity` adds its traceback.
 """
 import os
 
@@ -32,9 +34,20 @@ def main(argv):
     if not _WORKDIR.value:
         cli.fail("--workdir=DIR is required: where checkpoints, metrics and plots go")
     from lrl import console
-    console.setup_logging(verbose=flags.FLAGS["verbosity"].present)
-    from lrl import loop  # after flag parsing and the log levels, so --help stays fast
-    loop.run(_CONFIG.value, _WORKDIR.value)
+    verbose = flags.FLAGS["verbosity"].present
+    console.setup_logging(verbose=verbose)
+    return run(_CONFIG.value, _WORKDIR.value, verbose)
+
+
+def run(config, workdir: str, verbose: bool = False) -> int:
+    """`loop.run`, a user error reported in one message: the exit code (0, or 2)."""
+    from lrl import errors, preflight
+
+    def go():
+        started = preflight.start(config, workdir)   # before the loop's imports: errors sooner
+        from lrl import loop  # after flag parsing and the log levels, so --help stays fast
+        loop.run(config, workdir, started=started)
+    return errors.run(go, verbose=verbose, config=config, workdir=workdir)
 
 
 if __name__ == "__main__":

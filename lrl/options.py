@@ -338,12 +338,22 @@ class CriticOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardModelOptions:
+    hf_path: str                           # a *ForSequenceClassification directory; "" = none
+    tokenizer_path: str                    # "" = the reward model's directory
+    max_len: int = _opt(ge=16)             # T of its packed rows; longer conversations are cut
+    batch_rows: int = _opt(ge=1)           # rows of one forward call (one compiled shape)
+    dtype: str = _opt(choices=DTYPES)
+
+
+@dataclasses.dataclass(frozen=True)
 class RewardOptions:
     spec: str
     num_workers: int = _opt(ge=0)
     timeout_s: float = _opt(gt=0)
     fail_frac: float = _opt(gt=0, le=1)    # share of a scoring call's items failing: a failed call
     fail_patience: int = _opt(ge=0)        # failed calls in a row that stop the run; 0: never
+    model: RewardModelOptions = None       # the `rm` term's reward model (docs/reward-models.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -462,7 +472,7 @@ class Options:
 
 
 _SECTIONS = dict(model=ModelOptions, tokenizer=TokenizerOptions, mesh=MeshOptions,
-                 data=DataOptions, sft=SFTOptions, optim=OptimOptions, reward=RewardOptions,
+                 data=DataOptions, sft=SFTOptions, optim=OptimOptions,
                  rollout=RolloutOptions, eval=EvalOptions, checkpoint=CheckpointOptions,
                  metrics=MetricsOptions, pipeline=PipelineOptions)
 
@@ -471,7 +481,8 @@ def from_config(config, check_files: bool = True) -> Options:
     """Typed options from a config; raises ValueError (FileNotFoundError for files) naming the
     key of the first value that would only break later."""
     top = dict(config.items())
-    known = set(_SECTIONS) | {"job", "task", "seed", "distributed", "rl", "video", "critic"}
+    known = set(_SECTIONS) | {"job", "task", "seed", "distributed", "rl", "reward", "video",
+                              "critic"}
     unknown = sorted(set(top) - known)
     if unknown:
         raise ValueError(f"config: unknown top-level keys {unknown}; the keys are "
@@ -491,6 +502,10 @@ def from_config(config, check_files: bool = True) -> Options:
     critic = top.get("critic")
     sections["critic"] = _read(CriticOptions, critic, "critic", optim=_read(
         OptimOptions, critic.get("optim") if critic is not None else None, "critic.optim"))
+    reward = top.get("reward")
+    rm = _read(RewardModelOptions, reward.get("model") if reward is not None else None,
+               "reward.model")
+    sections["reward"] = _read(RewardOptions, reward, "reward", model=rm)
     video = top.get("video")
     if task == "video":
         sections["video"] = _read(VideoOptions, video, "video")
@@ -505,9 +520,28 @@ def from_config(config, check_files: bool = True) -> Options:
     return opts
 
 
+def _check_reward_model(o: Options) -> None:
+    """An `rm` term in reward.spec needs reward.model.hf_path, and a reward model needs the
+    term (and text prompts: it re-renders their chat messages)."""
+    names = [p.partition(":")[0].strip() for p in o.reward.spec.split(",")]
+    path = o.reward.model.hf_path
+    if "rm" in names and not path:
+        raise ValueError(f"reward.spec={o.reward.spec!r} has an 'rm' term but "
+                         "reward.model.hf_path is empty: point it at a *ForSequenceClassification "
+                         "checkpoint")
+    if path and "rm" not in names:
+        raise ValueError(f"reward.model.hf_path={path!r} is set but reward.spec="
+                         f"{o.reward.spec!r} has no 'rm' term to weigh it (e.g. "
+                         "'math:0.8,rm:0.2')")
+    if path and o.task != "text":
+        raise ValueError(f"reward.model.hf_path is set with task={o.task!r}: a reward model "
+                         "scores text conversations only")
+
+
 def _check_across(o: Options) -> None:
     """Rules that tie fields together."""
     from lrl.models.config import check_param_shard_axes
+    _check_reward_model(o)
     check_param_shard_axes(o.model.shard_axes, "model.param_shard_axes",
                            o.model.param_shard_axes)
     _check_value("data.source", o.data.source, {"choices": SOURCES[o.task]})
@@ -688,11 +722,16 @@ def check_files_exist(o: Options) -> None:
     if o.task == "text" and o.sft.steps and o.sft.paths:
         _expand("sft.paths", o.sft.paths)
     for key, path in (("model.hf_path", o.model.hf_path), ("tokenizer.path", o.tokenizer.path),
+                      ("reward.model.hf_path", o.reward.model.hf_path),
+                      ("reward.model.tokenizer_path", o.reward.model.tokenizer_path),
                       ("critic.hf_path", o.critic.hf_path)):
         if path and not os.path.isdir(path):
             raise FileNotFoundError(f"{key}={path!r}: no such directory")
     if o.video is not None and o.video.video_root and not os.path.isdir(o.video.video_root):
         raise FileNotFoundError(f"video.video_root={o.video.video_root!r}: no such directory")
+    if o.reward.model.hf_path:   # a classifier with one label, not any model directory
+        from lrl.rewards.model import check
+        check(o.reward.model)
 
 
 def as_dict(config) -> dict:

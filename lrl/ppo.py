@@ -129,16 +129,25 @@ def init_critic(opts, model_cfg, mesh, policy_params) -> TrainState:
 
 def _load_hf_critic(path: str, ccfg, mesh):
     """A HF *ForTokenClassification (one label) or *ForSequenceClassification checkpoint ->
-    the critic's parameters (`lrl.models.score.load_hf_score`)."""
+    the critic's parameters (`lrl.models.score.load_hf_score`): its decoder, and its `score`
+    weight as the head. Its shapes must be the policy's (the critic runs the policy's
+    config)."""
     from lrl.models import score
-    cfg, params = score.load_hf_score(path, mesh=mesh)
-    if params["score_DL"].shape != (ccfg.d_model, 1):
-        raise ValueError(f"critic.hf_path={path!r}: its score head is "
-                         f"{tuple(params['score_DL'].shape)}, the critic needs one label "
-                         f"[{ccfg.d_model}, 1]")
-    decoder = {k: v for k, v in params.items() if k not in ("score_DL", "lm_head")}
-    decoder = decoder.get("decoder", decoder)
-    return {"decoder": decoder, "score_DL": params["score_DL"].astype(ccfg.param_dtype)}
+    _, params, head_DL, meta = score.load_hf_score(path, dtype=ccfg.param_dtype, mesh=mesh)
+    if tuple(head_DL.shape) != (ccfg.d_model, 1):
+        raise ValueError(f"critic.hf_path={path!r}: its score head is {tuple(head_DL.shape)} "
+                         f"({meta.get('num_labels')} labels), the critic needs one label of "
+                         f"the policy's width: [{ccfg.d_model}, 1]")
+    decoder = score.decoder_params(params)
+    want = jax.tree.map(lambda x: x.shape, critic_lib.abstract_params(ccfg)["decoder"])
+    got = jax.tree.map(lambda x: x.shape, decoder)
+    if want != got:
+        raise ValueError(f"critic.hf_path={path!r}: its decoder's shapes differ from the "
+                         "policy's (model.*): the critic runs the policy's architecture")
+    if meta.get("bias_L") is not None and np.any(np.asarray(meta["bias_L"])):
+        raise ValueError(f"critic.hf_path={path!r}: its score head has a bias, which the "
+                         "critic's head [D, 1] does not hold")
+    return {"decoder": decoder, "score_DL": head_DL}
 
 
 # ----------------------------------------------------------------------------- packing

@@ -5,6 +5,7 @@ import dataclasses
 import os
 
 import numpy as np
+import pytest
 
 from lrl import compiles, config_util, grpo, loop
 
@@ -27,6 +28,7 @@ PER_SHAPE = ("jit(_accumulate)", "jit(logprobs)")
 SHAPES = 3
 
 
+@pytest.mark.slow
 def test_ten_steps_of_varied_lengths_compile_each_program_once(tmp_path, monkeypatch):
     c = config_util.load(os.path.join(ROOT, "configs", "default.py"), "runlocal")
     c.model.update(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64)

@@ -231,6 +231,7 @@ def test_verbose_logging_leaves_library_info_on(absl_stream):
 
 # ----------------------------------------------------------------------------- a real run
 
+@pytest.mark.slow
 def test_console_of_a_tiny_run_is_progress_evals_and_a_summary(tmp_path):
     """The whole console of `python -m lrl.main` on a tiny default: every line is lrl's."""
     out = _main("--config=configs/default.py:runlocal", f"--workdir={tmp_path}",

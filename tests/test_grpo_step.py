@@ -115,6 +115,7 @@ def _distinct_chars(completion, answer, **meta):
     return float(len(set(completion)) % 3)
 
 
+@pytest.mark.slow
 def test_long_context_ring_runlocal_runs_through_the_one_loop(tmp_path, monkeypatch):
     c = config_util.load(os.path.join(ROOT, "configs", "long_context_ring.py"), "runlocal")
     c.reward.spec = "test_distinct_chars:1.0"
@@ -304,6 +305,7 @@ class TextTaskSpec:
         return {}
 
 
+@pytest.mark.slow
 def test_default_runlocal_with_rollout_corrections_and_mismatch_metrics(tmp_path):
     """The loop with every correction on: rollout log-probs and ages reach the compiled
     update, the trainer's old log-probs measure the mismatch of every micro-batch."""

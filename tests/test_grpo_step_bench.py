@@ -41,6 +41,7 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_three_step_rows_of_finite_numbers(runs, case):
     r = runs[case]
@@ -61,6 +62,7 @@ def test_three_step_rows_of_finite_numbers(runs, case):
         assert all(s["vision/encoded_items"] == 4 for s in r["steps"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_nothing_compiles_after_the_first_step(runs, case):
     """The video case too: its prompts' embeddings are computed for length buckets and the

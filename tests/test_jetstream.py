@@ -247,6 +247,7 @@ def test_load_policy_reads_lrl_checkpoints_and_hf_dirs(policy, tmp_path):
         load_policy(str(tmp_path / "no" / "such"))
 
 
+@pytest.mark.slow
 def test_python_m_lrl_serve_and_the_client_script(policy, tmp_path):
     cfg, params, tok, _, eos = policy
     ckpt = _save_run(tmp_path, cfg.replace(eos_token_ids=(eos,)), params, tok)

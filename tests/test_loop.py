@@ -47,6 +47,7 @@ def _params(workdir, step=None):
     return ckpt_lib.restore_params(os.path.join(workdir, "checkpoints"), step=step).state
 
 
+@pytest.mark.slow
 def test_grpo_runs_end_to_end_and_writes_what_it_promises(tmp_path):
     out = loop.run(tiny_config(), str(tmp_path))
     for name in ("metrics.jsonl", "samples.jsonl", "grpo_curves.png", "sft_curves.png"):
@@ -65,6 +66,7 @@ def test_grpo_runs_end_to_end_and_writes_what_it_promises(tmp_path):
     assert sorted(ckpt_lib.CheckpointManager(tmp_path / "checkpoints").all_steps())[-1] == 6
 
 
+@pytest.mark.slow
 def test_sigterm_then_resume_equals_uninterrupted(tmp_path, monkeypatch):
     cfg = tiny_config(dynamic_sampling=True, epochs=2)
     cfg.eval.every = 0

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES_PER_PROCESS = 2
 STEPS = 3
@@ -163,6 +165,7 @@ def _read(path):
         return f.read()
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     import numpy as np
     import portpicker
@@ -207,6 +210,7 @@ def _init_params():
             for k, v in jax.tree_util.tree_leaves_with_path(params)}
 
 
+@pytest.mark.slow
 def test_peer_death_and_hang_end_the_survivor(tmp_path):
     """"die": process 1 exits without a word mid-run; "hang": it stays alive but stops
     taking part. Either way process 0 ends, non-zero and with a message that says why,

@@ -88,6 +88,7 @@ def test_notebooks_describe_the_task_they_run():
         assert "arithmetic" in text and "key-value" not in text, name
 
 
+@pytest.mark.slow
 def test_quickstart(tmp_path, monkeypatch):
     nb, text = _run("quickstart", monkeypatch, workdir=tmp_path)
     assert _images(nb) == 1  # the reward plot
@@ -98,6 +99,7 @@ def test_quickstart(tmp_path, monkeypatch):
     assert "reward" in text and "->" in text  # the samples were printed
 
 
+@pytest.mark.slow
 def test_long_context(monkeypatch):
     nb, text = _run("long_context", monkeypatch, devices=None)  # the notebook sets 8
     assert "CpuDevice(id=7)" in text
@@ -107,6 +109,7 @@ def test_long_context(monkeypatch):
     assert _images(nb) == 1  # the memory bar chart
 
 
+@pytest.mark.slow
 def test_export(tmp_path, monkeypatch):
     nb, text = _run("export", monkeypatch, workdir=tmp_path)
     files = set(os.listdir(tmp_path / "hf"))

@@ -1,5 +1,6 @@
-"""README's "your own model and data": configs/qwen2_5_math.py's command on a local Hugging
-Face checkpoint, a local tokenizer and jsonl files, nothing downloaded (shrunk to seconds)."""
+"""docs/own-model-and-data.md (README's "My own model and data?"): configs/qwen2_5_math.py's
+command on a local Hugging Face checkpoint, a local tokenizer and jsonl files, nothing
+downloaded (shrunk to seconds)."""
 import json
 import os
 
@@ -13,6 +14,7 @@ torch = pytest.importorskip("torch")  # transformers writes the checkpoint, as a
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_qwen2_5_math_config_runs_on_a_local_checkpoint_and_jsonl(tmp_path):
     from lrl.data.synthetic import synthetic_corpus
     from lrl.data.tokenizer import build_tokenizer

@@ -323,6 +323,7 @@ def _rows(workdir):
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_tiny_loop_runs_with_partial_rollouts_and_compiles_nothing_after_step_two(
         tmp_path, monkeypatch):
     c = _loop_config(monkeypatch, steps=6)
@@ -378,6 +379,7 @@ def _compared(row):
             and not k.endswith("_s") and k != "rollout/pages_allocated"}
 
 
+@pytest.mark.slow
 def test_resume_after_sigterm_with_carried_samples_equals_the_uninterrupted_run(
         tmp_path, monkeypatch):
     """The checkpoint saves the carried groups: the resumed run continues the same samples and
@@ -424,6 +426,7 @@ def test_resume_after_sigterm_with_carried_samples_equals_the_uninterrupted_run(
                 np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_carried_groups_drops_its_carried_samples_and_counts_them(
         tmp_path, monkeypatch):
     """A checkpoint from before the carried groups were saved (only their counts): the

@@ -8,6 +8,7 @@ through the real loop on the tiny model."""
 import dataclasses
 
 import numpy as np
+import pytest
 
 from lrl import collect, compiles, grpo, loop, rl
 from lrl.tasks import Prompt
@@ -123,6 +124,7 @@ def test_a_partial_steps_reinforce_pp_whitens_over_its_own_samples_with_no_new_c
         assert compiles.since(before) == {}, compiles.since(before)
 
 
+@pytest.mark.slow
 def test_tiny_loop_runs_partial_rollouts_with_dynamic_sampling(tmp_path, monkeypatch):
     c = _loop_config(monkeypatch, steps=5)
     c.rl.dynamic_sampling = True
@@ -142,6 +144,7 @@ def test_tiny_loop_runs_partial_rollouts_with_dynamic_sampling(tmp_path, monkeyp
     assert [r["compiles/step"] for r in steps[2:]] == [0] * 3, [r["compiles/step"] for r in steps]
 
 
+@pytest.mark.slow
 def test_tiny_loop_runs_partial_rollouts_with_reinforce_pp(tmp_path, monkeypatch):
     c = _loop_config(monkeypatch, steps=5)
     c.rl.estimator = "reinforce_pp"

@@ -116,6 +116,7 @@ def test_the_handover_is_exact_and_never_passes_through_the_host(monkeypatch, ro
         np.testing.assert_array_equal(np.asarray(a), b)
 
 
+@pytest.mark.slow
 def test_pipelined_steps_equal_a_synchronous_run_on_weights_one_step_old(
         straight, tmp_path, monkeypatch):
     workdir, handed = straight
@@ -169,6 +170,7 @@ def test_pipelined_steps_equal_a_synchronous_run_on_weights_one_step_old(
     assert moved > 1e-4
 
 
+@pytest.mark.slow
 def test_resume_after_sigterm_trains_the_saved_batch_and_equals_the_uninterrupted_run(
         straight, tmp_path, monkeypatch):
     workdir, _ = straight

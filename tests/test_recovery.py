@@ -20,6 +20,7 @@ def _steps(path):
     return [json.loads(line)["step"] for line in open(path).read().splitlines()]
 
 
+@pytest.mark.slow
 def test_death_between_checkpoints_then_a_step_without_its_data(tmp_path, monkeypatch):
     cfg = tiny_config()
     cfg.eval.every = 0

@@ -389,11 +389,12 @@ def test_vl_shared_update_equals_unshared_with_mrope(G, attention):
 
 # ----------------------------------------------------------------------------- the loop
 
+@pytest.mark.slow
 def test_grpo_loop_with_shared_prompts_end_to_end(tmp_path, monkeypatch):
     """`rl.shared_prompt=on` through `lrl.loop.run` on the tiny default config, with the
     trainer's old log-probs and the reference's (KL) taken on the shared rows: groups are
     shared, the policy moves, the metrics are finite, and from the third step on nothing
-    compiles (README: the second step may still compile)."""
+    compiles (docs/batching.md: the second step may still compile)."""
     import json
 
     from lrl import loop
@@ -435,6 +436,7 @@ def test_minibatches_cut_between_groups_when_shared():
     assert [len(x) for x in grpo.minibatch_samples(1, 4, 2, whole_groups=True)] == [2, 2]
 
 
+@pytest.mark.slow
 def test_video_grpo_loop_with_shared_prompts(tmp_path, monkeypatch):
     """`rl.shared_prompt=on` for the video task: each group's visual prompt is held once in
     its row (visual rows and M-RoPE positions in the prefix), and the trainer's log-probs of

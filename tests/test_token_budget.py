@@ -309,7 +309,7 @@ def test_a_shape_whose_compile_runs_out_of_memory_does_not_fit():
 
 def test_long_rows_hold_fewer_runs_on_cudnns_packed_attention():
     """cuDNN's packed backward takes E x T x N x H x 8 bytes whatever the runs hold
-    (BENCHMARKS.md, "Seventeenth session": 55.6 GiB at E = 64 for a 32K-token row of 7B
+    (docs/benchmark-history.md, "Seventeenth session": 55.6 GiB at E = 64 for a 32K-token row of 7B
     heads): a row of T tokens gets E within `flash.PACKED_ROW_BYTES`, between what one unit
     of packing needs and 64, and the update's model config and packer take it from the rows'
     length (a shared group, its prefix and the padding in one row at least)."""

@@ -7,6 +7,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 from lrl import loop, models, rollout
 from lrl.data import video_task
@@ -92,6 +93,7 @@ def _length_reward(completion, answer, **meta):
     return float(len(completion) % 3)
 
 
+@pytest.mark.slow
 def test_video_grpo_steps_end_to_end(tmp_path, monkeypatch, caplog):
     c = _config("runlocal")
     c.reward.spec = "video:1.0,test_video_len:0.5"
@@ -132,6 +134,7 @@ def test_video_grpo_steps_end_to_end(tmp_path, monkeypatch, caplog):
     assert all(os.path.isfile(r["video"]) for r in recs)
 
 
+@pytest.mark.slow
 def test_video_grpo_from_a_local_hf_checkpoint(tmp_path):
     """model.hf_path: a (tiny, random) transformers Qwen2.5-VL directory and its tokenizer."""
     import pytest

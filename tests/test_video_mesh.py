@@ -143,6 +143,7 @@ def _length_reward(completion, answer, **meta):
     return float(len(completion) % 3)
 
 
+@pytest.mark.slow
 def test_video_grpo_on_a_mesh_checkpoints_and_resumes(tmp_path, monkeypatch):
     c = config_from_file(os.path.join(CONFIGS, "video_synthetic.py"), "runlocal")
     c.mesh.update(fsdp=2, seq=2, tensor=2)

@@ -199,7 +199,8 @@ def update_row(ctx: dict, layout: str, prompt, table, args, seed: int) -> dict:
     ctx["state"], m = p.apply(ctx["state"], acc)
     # The accumulator is not donated to apply: held here, its 14 GiB (7B, bf16) sat beside
     # the timed step's own, and the 1,024-frame row's 88.6 GiB request for the forward's
-    # temporaries fell 0.1 GiB short of the device (BENCHMARKS.md, fourteenth session).
+    # temporaries fell 0.1 GiB short of the device (docs/benchmark-history.md,
+    # "Fourteenth session").
     del acc
     jax.block_until_ready(m)
     out = {"compile_s": time.perf_counter() - t0,

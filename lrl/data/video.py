@@ -232,7 +232,7 @@ def load_videos(paths: Sequence[str], s: VisionSettings = VisionSettings(),
     (path, reason) for the rest, each also logged as a warning. Videos are decoded and
     patched `workers` at a time (None: one a CPU core, at most 16): FFmpeg, PIL and numpy's
     copies let go of the GIL, and a step's 16 videos of 64 frames took 12-15 s one after
-    another on the H200 machine's host (BENCHMARKS.md, "Seventeenth session")."""
+    another on the H200 machine's host (docs/benchmark-history.md, "Seventeenth session")."""
     def one(path):
         try:
             return load_video(path, s)

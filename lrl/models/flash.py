@@ -403,7 +403,7 @@ MAX_SEGMENTS = 64
 # cuDNN's packed backward sizes its buffers as if each of a row's E runs were the whole row:
 # E x T x N x H of fp32 dQ and of bf16 dK and dV (GQA's heads expanded), 8 bytes a (run,
 # token, query feature), whatever the runs hold. At 64 runs that was 0.75 MiB a token for
-# Qwen2.5-1.5B's heads (24 GiB for one 32K-token row, measured: BENCHMARKS.md, "Seventeenth
+# Qwen2.5-1.5B's heads (24 GiB for one 32K-token row, measured: docs/benchmark-history.md, "Seventeenth
 # session"), so a long row gets fewer runs: at most this many bytes a row.
 PACKED_ROW_BYTES = 4 << 30
 

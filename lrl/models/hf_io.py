@@ -253,8 +253,24 @@ def to_hf_state(cfg: ModelConfig, params, dtype=None) -> dict[str, np.ndarray]:
 def save_hf(cfg: ModelConfig, params, out_dir: str, dtype=None,
             max_shard_bytes: int = 4 << 30) -> list[str]:
     """Writes HF safetensors (sharded with an index above `max_shard_bytes`) and config.json."""
-    os.makedirs(out_dir, exist_ok=True)
     state = to_hf_state(cfg, params, dtype)
+    saved = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(jnp.dtype(cfg.param_dtype))
+    return write_hf_dir(out_dir, state, hf_config(cfg, saved), max_shard_bytes)
+
+
+def hf_config(cfg: ModelConfig, saved_dtype) -> dict:
+    """config.json's contents for `cfg`, saved in `saved_dtype`."""
+    hf = config_lib.to_hf_dict(cfg)
+    hf["torch_dtype"] = hf["dtype"] = {"float32": "float32", "bfloat16": "bfloat16",
+                                       "float16": "float16"}[np.dtype(saved_dtype).name]
+    return hf
+
+
+def write_hf_dir(out_dir: str, state: dict[str, np.ndarray], config: dict,
+                 max_shard_bytes: int = 4 << 30) -> list[str]:
+    """{HF name: array} and a config dict -> safetensors files (an index above
+    `max_shard_bytes`) and config.json in `out_dir`; returns the files written."""
+    os.makedirs(out_dir, exist_ok=True)
     shards, current, size = [], {}, 0
     for key, arr in state.items():
         if current and size + arr.nbytes > max_shard_bytes:
@@ -277,10 +293,6 @@ def save_hf(cfg: ModelConfig, params, out_dir: str, dtype=None,
         total = sum(a.nbytes for a in state.values())
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    hf = config_lib.to_hf_dict(cfg)
-    saved = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(jnp.dtype(cfg.param_dtype))
-    hf["torch_dtype"] = hf["dtype"] = {"float32": "float32", "bfloat16": "bfloat16",
-                                       "float16": "float16"}[saved.name]
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
+        json.dump(config, f, indent=2)
     return written

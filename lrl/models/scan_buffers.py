@@ -4,7 +4,7 @@ jax lowers `lax.scan` so that every stacked output (`[L, ...]` over the layers: 
 remat policy saves, the weights' gradients in the backward scan) starts as a broadcast zero,
 which the loop then overwrites element by element. XLA keeps the fill, HBM-bound work of its
 own in every update step, and lowering without it made the step faster on one GPU
-(BENCHMARKS.md, "Keeping the attention residuals" for the profile, "Uninitialised scan
+(docs/benchmark-history.md, "Keeping the attention residuals" for the profile, "Uninitialised scan
 buffers, fifth session", and "Measurements once quoted in the code").
 jax means to allocate them uninitialised (`lax.empty`, XLA's AllocateBuffer custom call on GPU
 and TPU; see the TODO in `jax/_src/lax/control_flow/loops.py::_empty_array`) but does not yet.

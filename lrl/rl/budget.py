@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # leftovers) take the rest.
 USABLE = 0.9
 # The shortest row a derived budget uses: long enough that the update runs near its best rate
-# (BENCHMARKS.md's update table: 41.6% MFU in rows of 4K against 49% at 16K), short enough
+# (docs/benchmark-history.md, "Policy update (issue 4)": 41.6% MFU at 4K, 49% at 16K), short enough
 # that a minibatch fills its rows.
 ROW_FLOOR = 8192
 # The shortest a minibatch's last rows are cut to: an eighth of a row (1K of 8K tokens). Each

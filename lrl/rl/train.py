@@ -274,7 +274,8 @@ def jit_step(step, model_cfg, tx, mesh=None, *, uninit_scan: Optional[bool] = No
     sharding it is placed in (`lrl.mesh.put_batch`). `uninit_scan` lowers it with the layer
     scan's stacked outputs (saved residuals, weight gradients) uninitialised, not zero-filled
     (`lrl.models.scan_buffers`). None: on one device only, where it measured faster; on two
-    GPUs with ring attention it was no faster and took more memory (BENCHMARKS.md)."""
+    GPUs with ring attention it was no faster and took more memory (docs/benchmark-history.md,
+    "Uninitialised scan buffers, fifth session")."""
     if uninit_scan is None:
         uninit_scan = mesh is None or mesh.size == 1
     if mesh is None:

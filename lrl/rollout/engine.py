@@ -137,7 +137,7 @@ def k_splits(slots: int, kv_programs: int, row_tokens: int = 0, programs: int = 
     pages one block after another, so a row of 16K tokens in one split of two was a serial
     read of 8K tokens that the short rows had long finished: long partial rollouts read KV at
     1.1-1.4 TB/s where uniform rows reach 2.5-3.2. The splits a short row does not reach are
-    programs that find no page and end at once. Qwen2.5-1.5B shapes; BENCHMARKS.md, "Decode
+    programs that find no page and end at once. Qwen2.5-1.5B shapes; docs/benchmark-history.md, "Decode
     layout of the weights", the fourth session's kernel table, "Measurements once quoted in
     the code" and "Thirteenth session"."""
     k = 1

@@ -93,7 +93,7 @@ def engine_config(cfg: ModelConfig, *, max_prompt_len: int, max_new_tokens: int,
     `resumed_prompts`: a prompt may come back with its sample's tokens so far (partial
     rollouts), up to `max_prompt_len + max_new_tokens - 1` tokens, and C is sized for that: a
     carried sample in one packed row, not chunk after chunk through the paged path
-    (re-prefill was 1.4 s of a 5.5 s step in chunks of 256, BENCHMARKS.md, "Eleventh
+    (re-prefill was 1.4 s of a 5.5 s step in chunks of 256, docs/benchmark-history.md, "Eleventh
     session"). `whole_prefill`: a prompt longer than C goes in one whole-prompt call, of one
     of a few lengths up to `prefill_tokens` (`whole_prefill_lengths`), not chunk after chunk
     of C through the paged path; False: chunks."""
@@ -518,7 +518,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         # this call at once, so that its freed slots are refilled before the next call. With
         # the decode loop's condition on the device (`steps._DECODE_OPTIONS`), steps were
         # faster than when every call was collected before the next was launched
-        # (BENCHMARKS.md, "Sixth session", "Overlap").
+        # (docs/benchmark-history.md, "Sixth session", "Overlap").
         # With no sample waiting, no slot fills before the next call: a call computes only the
         # live rows (a narrower program, `EngineConfig.narrow_widths`) once they fit one.
         rows = None if queue or redo else sorted(admitted)
@@ -531,7 +531,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence, *, max_new_tokens: int
         # collection, after the next call's launch, they may wait for that call too. An H200
         # trace showed the device idle between decode calls, 0.25 s of a 1.5 s rollout, as
         # if the host admitted each call's samples only after the next call had run
-        # (BENCHMARKS.md, "Seventeenth session"); whether this closes it is not measured.
+        # (docs/benchmark-history.md, "Seventeenth session"); whether this closes it is not measured.
         for x in (out.tokens, out.logps, out.valid, out.active):
             x.copy_to_host_async()
         out, launched = (out, width, launched), launched + 1

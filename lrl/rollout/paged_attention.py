@@ -43,7 +43,7 @@ def _pallas_module():
 
 
 def default_impl(mesh=None) -> str:
-    """Our Pallas kernel on a single GPU (it read the KV faster than jax's: BENCHMARKS.md,
+    """Our Pallas kernel on a single GPU (it read the KV faster than jax's: docs/benchmark-history.md,
     "Decode kernel, joined qkv, cuBLAS matmuls, sampler: fourth session", lease 4); the XLA
     loop elsewhere (CPU, TPU, or a multi-device mesh,
     where the custom call would need a shard_map of its own)."""
@@ -56,7 +56,7 @@ def default_impl(mesh=None) -> str:
 def write_kv(k_pages, v_pages, k_BTKH, v_BTKH, page_BT, offset_BT):
     """Writes each token's k and v at (page, offset); `page_BT` already includes the layer's
     base index. Rows aimed at the null page may collide there: its contents are never read,
-    so the scatters are declared unique, which XLA writes faster (BENCHMARKS.md, "Sixth
+    so the scatters are declared unique, which XLA writes faster (docs/benchmark-history.md, "Sixth
     session", "The qkv bias and the page writes")."""
     k = jnp.moveaxis(k_BTKH, 2, 0).astype(k_pages.dtype)   # [K, B, T, H]
     v = jnp.moveaxis(v_BTKH, 2, 0).astype(v_pages.dtype)

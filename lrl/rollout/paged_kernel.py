@@ -7,7 +7,7 @@ not:
 - q enters as the model makes it, [B, N, H], unpadded and unscaled. A program reads its Kp·Q
   rows into a 16-row tile by index, and rows past Kp·Q repeat the last one. jax's kernel wants
   q padded to 16 heads per kv head, and the pad plus the scale was an XLA fusion per layer
-  (BENCHMARKS.md, "Measurements once quoted in the code"). The repeated rows compute the same
+  (docs/benchmark-history.md, "Measurements once quoted in the code"). The repeated rows compute the same
   output as the row they repeat and are stored to the same address.
 - with Kp > 1 the query heads of several kv heads share the tile (Qwen2.5-1.5B: 2 × 6 rows of
   16, where jax's kernel pads each 6 to 16) and one softmax pass.

@@ -4,7 +4,7 @@ its max and its sum of exp relative to that max.
 The two-level inverse CDF of `sampling.invert_cdf` needs the mass of every block of a row. In
 XLA that is two reductions over the [B, V] fp32 logits, the row's max and then the blocks'
 sums of exp against it, each a full read of 155 MB at 256 rows of 151,936 tokens
-(BENCHMARKS.md, "Eighth session", "Where the sampler's time went"). Against each block's own
+(docs/benchmark-history.md, "Eighth session", "Where the sampler's time went"). Against each block's own
 max, one read suffices; the blocks are then put on the row's scale from the small [B, U]
 result.
 
@@ -43,7 +43,7 @@ def block_stats(x_BV, *, block: int, temperature: float = 1.0, per_program: int 
     `block` tokens of x / temperature. A block whose tokens are all -inf has max -inf and sum
     0. V must be a multiple of `block`, a power of two. A program takes `per_program` blocks
     of a row: 64 blocks and 8 warps were the fastest setting of the kernel alone, and whole
-    decode steps ran as fast with them as with 32 and 4 (BENCHMARKS.md, "Eighth session",
+    decode steps ran as fast with them as with 32 and 4 (docs/benchmark-history.md, "Eighth session",
     "The kernel")."""
     B, V = x_BV.shape
     if block & (block - 1) or V % block:

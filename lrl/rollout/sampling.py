@@ -84,7 +84,7 @@ def draw(x_BV, keys_B, block: int = 0, stats=None):
     cumulative mass, then a token inside it. It reads the [B, V] logits twice (max, then
     per-block sums of exp), or once for the chosen blocks given their `stats` (see
     `invert_cdf`), where jax.random.categorical draws V Gumbel variables a row, which cost
-    the decode step more (BENCHMARKS.md, "Measurements once quoted in the code").
+    the decode step more (docs/benchmark-history.md, "Measurements once quoted in the code").
     Tokens at -inf (filtered out) have no mass and are never drawn."""
     return invert_cdf(x_BV, jax.vmap(jax.random.uniform)(keys_B), block, stats)
 

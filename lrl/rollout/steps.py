@@ -47,17 +47,17 @@ class EngineConfig:
     # replace (0: never). C is sized for the longest prompt a run may prefill (a carried
     # sample's tokens so far, with partial rollouts), so a call of C rows for a few fresh
     # prompts of tens of tokens computed C tokens each time (11 ms of a 1.5B model's step, a
-    # dozen times a rollout: BENCHMARKS.md, "Fifteenth session").
+    # dozen times a rollout: docs/benchmark-history.md, "Fifteenth session").
     prefill_short_chunk: int = 0
     # Tokens of one prefill call (R x C when prefill_rows is 0): 256 prompts of 512 tokens
-    # prefilled faster in calls of 16,384 tokens than of 4,096 (BENCHMARKS.md, "Fifth
+    # prefilled faster in calls of 16,384 tokens than of 4,096 (docs/benchmark-history.md, "Fifth
     # session", "Prefill: decode-layout weights and wider calls").
     prefill_batch_tokens: int = 16384
     # Whole-prompt prefill: a prompt of n cached tokens, n > C, with some L >= n here goes in
     # one [1, L] `prefill_packed` call (L the smallest such), attention over the whole prompt
     # at once (cuDNN on GPU), instead of chunk after chunk of C, each of which reads the
     # earlier chunks' pages through the XLA paged path (5.06 s for a 33K-token video prompt
-    # on one H200 where the update's forward and backward took 4.88: BENCHMARKS.md, "Video
+    # on one H200 where the update's forward and backward took 4.88: docs/benchmark-history.md, "Video
     # frames (issue 9)"). Sorted, each > prefill_chunk; each length compiles once
     # (`Engine.compile_prefill`). () or a longer prompt: chunks. `whole_prefill_lengths`.
     prefill_lengths: tuple[int, ...] = ()
@@ -67,12 +67,12 @@ class EngineConfig:
     # The sampler's pass over the logits: None follows attention_impl, "pallas" with a Pallas
     # kernel ("pallas_interpret" with the interpreted one), else "xla". The kernel reads the
     # logits once where XLA's two reductions read them twice, and decode steps ran faster with
-    # it (BENCHMARKS.md, "Eighth session").
+    # it (docs/benchmark-history.md, "Eighth session").
     sampling_impl: Optional[str] = None
     # Decode kernel launch: at 256 slots x 640 tokens (Qwen2.5-1.5B shapes) our kernel with 4
     # pages a block, 4 warps, 1 stage and one kv head a program was the fastest setting, faster
     # than jax's kernel at its defaults (8 pages, 8 warps, 2 stages) and at its best
-    # (BENCHMARKS.md, "Decode kernel, joined qkv, cuBLAS matmuls, sampler: fourth session").
+    # (docs/benchmark-history.md, "Decode kernel, joined qkv, cuBLAS matmuls, sampler: fourth session").
     # Software pipelining hurts: one stage holds less shared memory, so more programs share
     # an SM.
     decode_block_pages: int = 4      # pages per compute block of decode attention
@@ -85,7 +85,7 @@ class EngineConfig:
     # pallas_gqa with the decode layout's joined qkv: the kernel also adds the qkv bias,
     # applies q/k norm and RoPE and writes the new token's k and v (`fused_decode_attention`),
     # one launch a layer instead of four. Off: its steps were slower than unfused ones at every
-    # block size tried, 8 pages a block the least slow (BENCHMARKS.md, "Sixth session", "A
+    # block size tried, 8 pages a block the least slow (docs/benchmark-history.md, "Sixth session", "A
     # fused decode kernel").
     fused_decode: bool = False
     # Narrower decode programs for a rollout's tail: once no sample waits and at most W slots
@@ -242,7 +242,7 @@ def _qkv_fused(block: Block, x_BTD, pos_BT, qkv):
     """Block.qkv with the decode layout's one [D, J, H] projection weight (J = N + 2K). A bias
     is added in fp32, in the fusions that rotate q and k and write k and v: added to the
     matmul, it became cuBLAS's C operand, a [B, T, J, H] broadcast written by a kernel of its
-    own at every layer (BENCHMARKS.md, "Sixth session", "The qkv bias and the page writes")."""
+    own at every layer (docs/benchmark-history.md, "Sixth session", "The qkv bias and the page writes")."""
     N, K = block.cfg.n_heads, block.cfg.n_kv_heads
     h = block.input_norm(x_BTD)
     y = _joined(h, qkv["kernel"])
@@ -261,14 +261,14 @@ def _finish_fused(block: Block, x_BTD, attn_BTNH, gate_up):
 
 # cuBLAS for every matmul of prefill and decode: XLA's Triton gemm fusions (a matmul fused with
 # its bias, or joined with its neighbours) were slower at decode's 256-row matmuls
-# (BENCHMARKS.md, "Decode kernel, joined qkv, cuBLAS matmuls, sampler: fourth session", lease
+# (docs/benchmark-history.md, "Decode kernel, joined qkv, cuBLAS matmuls, sampler: fourth session", lease
 # 2; autotuned against cuBLAS, again slower: "Seventh session", "The levers").
 _GEMM_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 # The decode loop also runs as one CUDA graph: with WHILE and CONDITIONAL among the command
 # buffer types, the device evaluates the loop condition itself, so a step no longer waits for
 # the host to read it back and launch the next. That lets the host collect one decode call
 # while the next runs (`generate`). With that overlap, steps were faster with these types than
-# without, where the host waits on every step's condition (BENCHMARKS.md, "Sixth session",
+# without, where the host waits on every step's condition (docs/benchmark-history.md, "Sixth session",
 # "Overlap").
 _DECODE_OPTIONS = {**_GEMM_OPTIONS, "xla_gpu_enable_command_buffer":
                    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}

@@ -56,6 +56,9 @@ class TextTask:
         prompts = [Prompt(np.asarray(ids, np.int32), str(ans), dict(meta or {}, task=task), text)
                    for ids, ans, meta, task, text in zip(raw["prompt_ids"], raw["answer"],
                                                          raw["metadata"], raw["task"], texts)]
+        if self.opts.reward.model.hf_path:  # the reward model renders them in its template
+            for p, messages in zip(prompts, raw["messages"]):
+                p.meta["messages"] = list(messages)
         return prompts, {}
 
     def update_inputs(self, rows: dict, layout, sample_prompts):
