@@ -48,15 +48,19 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--workdir", default="/tmp/ppo-vs-grpo")
+    ap.add_argument("--only", default="", choices=("", "grpo", "ppo", "table"),
+                    help="one half (ppo: after a grpo run in the same workdir), or the table")
     a = ap.parse_args()
     g, p = os.path.join(a.workdir, "grpo"), os.path.join(a.workdir, "ppo")
-    run(None, g, a.steps, a.every)
-    from lrl import config_util
-    sft = config_util.load(os.path.join(ROOT, "configs", "default.py")).sft.steps
-    os.makedirs(os.path.join(p, "checkpoints"), exist_ok=True)
-    shutil.copytree(os.path.join(g, "checkpoints", str(sft)),
-                    os.path.join(p, "checkpoints", str(sft)))
-    run("ppo", p, a.steps, a.every)
+    if a.only in ("", "grpo"):
+        run(None, g, a.steps, a.every)
+    if a.only in ("", "ppo"):
+        from lrl import config_util
+        sft = config_util.load(os.path.join(ROOT, "configs", "default.py")).sft.steps
+        os.makedirs(os.path.join(p, "checkpoints"), exist_ok=True)
+        shutil.copytree(os.path.join(g, "checkpoints", str(sft)),
+                        os.path.join(p, "checkpoints", str(sft)))
+        run("ppo", p, a.steps, a.every)
     for name, d in (("grpo", g), ("ppo", p)):
         rows = [json.loads(x) for x in open(os.path.join(d, "metrics.jsonl"))]
         for r in rows:

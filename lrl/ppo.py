@@ -144,10 +144,10 @@ def _load_hf_critic(path: str, ccfg, mesh):
     if want != got:
         raise ValueError(f"critic.hf_path={path!r}: its decoder's shapes differ from the "
                          "policy's (model.*): the critic runs the policy's architecture")
-    if meta.get("bias_L") is not None and np.any(np.asarray(meta["bias_L"])):
-        raise ValueError(f"critic.hf_path={path!r}: its score head has a bias, which the "
-                         "critic's head [D, 1] does not hold")
-    return {"decoder": decoder, "score_DL": head_DL}
+    bias = meta.get("bias_L")
+    return {"decoder": decoder, "score_DL": head_DL,
+            "score_L": jnp.asarray(np.zeros(1) if bias is None else np.asarray(bias).reshape(1),
+                                   ccfg.param_dtype)}
 
 
 # ----------------------------------------------------------------------------- packing

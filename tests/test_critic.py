@@ -258,3 +258,23 @@ def test_ppo_runs_end_to_end_resumes_exactly_and_compiles_nothing_after_step_two
         assert jax.tree.structure(a) == jax.tree.structure(b)
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["tok", "seq"])
+def test_critic_from_a_hf_score_checkpoint_gives_its_scores(tmp_path, kind):
+    """critic.hf_path: a Qwen2 *ForTokenClassification (with its head's bias) or
+    *ForSequenceClassification (none) checkpoint; the critic's value at every position is
+    the checkpoint's per-token score as transformers computes it."""
+    from tests.test_score import make_score_model, torch_logits
+    model = make_score_model("qwen2", kind, tmp_path)
+    ccfg = critic.critic_config(models.from_hf_dir(str(tmp_path)))
+    params = ppo._load_hf_critic(str(tmp_path), ccfg, None)
+    tokens = np.random.default_rng(0).integers(1, 128, (2, 12)).astype(np.int32)
+    mb = {"tokens": tokens, "positions": np.tile(np.arange(12, dtype=np.int32), (2, 1)),
+          "segment_ids": np.ones_like(tokens)}
+    v = np.asarray(critic.values(ccfg, params, mb))
+    want = torch_logits(model, tokens)[..., 0]
+    if kind == "seq":   # the sequence head reads the last token (no padding here)
+        v = v[:, -1]
+    assert rel_err(v, want) < 1e-4
+    assert (kind == "tok") == bool(np.any(np.asarray(params["score_L"])))

@@ -8,7 +8,9 @@ Parameters (this is also the checkpoint's `critic` item, a `TrainState` whose `p
 
     {"decoder":  the decoder's tree (`lrl.models`) without an lm head: the critic's model
                  config is the policy's with `tie_embeddings=True`, so none is made,
-     "score_DL": [D, 1] float, the value head (HF's `score.weight` transposed)}
+     "score_DL": [D, 1] float, the value head (HF's `score.weight` transposed),
+     "score_L":  [1] float, its bias (HF's `score.bias` of a *ForTokenClassification head;
+                 0 from the policy or a bias-free *ForSequenceClassification one)}
 
 A token's value is `x_BTD @ score_DL` at the position whose TARGET is the token: the value of
 the state the policy acts from (verl's `values[:, -response_length - 1:-1]`), aligned with the
@@ -49,13 +51,14 @@ def critic_config(model_cfg, remat: str = ""):
 def abstract_params(cfg):
     """The critic's parameters as ShapeDtypeStructs (`cfg`: `critic_config`'s)."""
     return {"decoder": models.abstract_params(cfg),
-            "score_DL": jax.ShapeDtypeStruct((cfg.d_model, 1), cfg.param_dtype)}
+            "score_DL": jax.ShapeDtypeStruct((cfg.d_model, 1), cfg.param_dtype),
+            "score_L": jax.ShapeDtypeStruct((1,), cfg.param_dtype)}
 
 
 def param_shardings(cfg, mesh):
     """The decoder's shardings (`lrl.mesh.PARAM_RULES`); the [D, 1] head is replicated."""
     return {"decoder": models.param_shardings(cfg, mesh),
-            "score_DL": mesh_lib.replicated(mesh)}
+            "score_DL": mesh_lib.replicated(mesh), "score_L": mesh_lib.replicated(mesh)}
 
 
 def state_shardings(cfg, tx, mesh) -> TrainState:
@@ -80,7 +83,8 @@ def params_from_policy(cfg, policy_params, head_std: float = 0.0, seed: int = 0)
     shape = (cfg.d_model, 1)
     head = (np.random.default_rng(seed).normal(0.0, head_std, shape) if head_std
             else np.zeros(shape))
-    return {"decoder": decoder, "score_DL": jnp.asarray(head, cfg.param_dtype)}
+    return {"decoder": decoder, "score_DL": jnp.asarray(head, cfg.param_dtype),
+            "score_L": jnp.zeros((1,), cfg.param_dtype)}
 
 
 def init_state(cfg, params, tx, mesh=None) -> TrainState:
@@ -95,8 +99,9 @@ def values(cfg, params, mb, mesh=None, *, hidden: Callable = models.batch_hidden
            extra=None):
     """float32 values [B, T] of a micro-batch of packed rows (`cfg`: `critic_config`'s)."""
     x_BTD = hidden(cfg, params["decoder"], constrain_batch(mb, mesh), extra, mesh, True)
-    return jnp.einsum("btd,dl->btl", x_BTD, params["score_DL"].astype(x_BTD.dtype),
-                      preferred_element_type=jnp.float32)[..., 0]
+    v_BTL = jnp.einsum("btd,dl->btl", x_BTD, params["score_DL"].astype(x_BTD.dtype),
+                       preferred_element_type=jnp.float32)
+    return (v_BTL + params["score_L"].astype(jnp.float32))[..., 0]
 
 
 def _values(params, mb, extra=None, *, cfg, mesh, hidden):
