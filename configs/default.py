@@ -23,6 +23,11 @@ no gradient, and its console line says so).
 
     python -m lrl.main --config=configs/default.py:runlocal --workdir=/tmp/lrl-smoke
 
+PPO with a learned critic (GAE) instead of GRPO's group baseline, on the same task and
+budget (docs/ppo.md has its measured reward against this default's):
+
+    python -m lrl.main --config=configs/default.py:ppo --workdir=/tmp/lrl-ppo
+
 Any field can be overridden, e.g. `--config.rl.group_size=8`; unknown keys fail with their name;
 `--print_config` lists every field with its comment.
 """
@@ -117,7 +122,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.top_p = 1.0
     c.rl.estimator = "grpo"          # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_token |
                                      # remax (also samples one greedy baseline per prompt) | a
-                                     # registered name or "pkg.module:fn" (docs/extending.md)
+                                     # registered name or "pkg.module:fn" (docs/extending.md) |
+                                     # gae (PPO: a critic, the `critic` section; docs/ppo.md)
     c.rl.epochs = 1                  # passes over each rollout batch
     c.rl.minibatches = 2             # optimizer steps per epoch (the step's samples split evenly)
     c.rl.row_len = 512               # packed row length for the update; 0 = the token budget
@@ -144,6 +150,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                      # and computed once, not G times (lrl.data.shared_prompt);
                                      # auto: for groups whose prompt is longer than their mean
                                      # response. Exact: the same loss and gradients
+    c.rl.gamma = 1.0                 # gae: discount of the token rewards (verl's algorithm.gamma)
+    c.rl.lam = 1.0                   # gae: GAE's lambda (verl's algorithm.lam)
+    c.rl.kl_in_reward = False        # subtract beta * KL(old || ref) from each token's reward
+                                     # (any estimator; outcome ones see R - beta * sum KL)
+    c.rl.kl_ctrl = ml_collections.ConfigDict(dict(
+        type="fixed",                # fixed | adaptive (verl's AdaptiveKLController)
+        coef=0.001,                  # beta; the adaptive controller's start
+        target_kl=0.1,               # adaptive: the KL per sequence it steers to
+        horizon=10000,               # adaptive: samples over which beta moves by its error
+        estimator="k1"))             # k1 | k2 | k3 | low_var_kl (verl's kl_penalty)
     c.rl.loss = ml_collections.ConfigDict(dict(
         clip_low=0.2,                # PPO clip: the ratio's lower bound is 1 - clip_low
         clip_high=0.28,              # ... and its upper 1 + clip_high (DAPO's clip-higher)
@@ -177,6 +193,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # --- optimizer (GRPO phase) ---------------------------------------------------------------
     c.optim = ml_collections.ConfigDict(dict(
         lr=1e-4, warmup_steps=5, weight_decay=0.0, b1=0.9, b2=0.99, clip_norm=1.0))
+
+    # --- the critic (rl.estimator="gae": PPO; lrl/rl/critic.py, docs/ppo.md) -------------------
+    c.critic = ml_collections.ConfigDict(dict(
+        hf_path="",                  # "": the policy's weights as this phase starts; else a HF
+                                     # *ForTokenClassification (1 label) or
+                                     # *ForSequenceClassification checkpoint (its score head)
+        head_init_std=0.0,           # the value head starts at zero (0.0) or N(0, std^2)
+        remat="",                    # "": the policy's remat policy; else one of model.remat's
+        warmup_steps=0,              # first steps update the critic alone (verl's critic_warmup)
+        ppo_epochs=1,                # critic passes over each step's minibatches
+        cliprange_value=0.5,         # value clip around the old values (verl's 0.5)
+        optim=dict(lr=1e-5, warmup_steps=0, weight_decay=0.0, b1=0.9, b2=0.999,
+                   clip_norm=1.0)))
 
     # --- rewards: [(registry name, weight), ...] scored in a worker pool ---------------------
     c.reward = ml_collections.ConfigDict()
@@ -266,6 +295,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.optim.warmup_steps = 1
         c.eval.update(every=3, num_prompts=8)
         c.reward.num_workers = 0
+    elif arg == "ppo":  # PPO: a critic and GAE instead of GRPO's group baseline (docs/ppo.md)
+        c.rl.update(estimator="gae", gamma=1.0, lam=1.0)
+        # The critic starts as the SFT'd policy with a zero head: a few steps of it alone
+        # first, at a larger rate than the actor's (verl's examples: 10x), two passes a step.
+        c.critic.update(warmup_steps=2, ppo_epochs=2, cliprange_value=0.5)
+        c.critic.optim.update(lr=1e-3, warmup_steps=0)
     elif arg:
-        raise ValueError(f"configs/default.py: unknown argument {arg!r}; use 'runlocal' or none")
+        raise ValueError(f"configs/default.py: unknown argument {arg!r}; use 'runlocal', "
+                         "'ppo' or none")
     return c

@@ -13,6 +13,9 @@ Checkpoint directory layout (one directory per run, e.g. `<workdir>/checkpoints`
     DIR/<step>/meta/          JSON {"format": 1, "step", "time", "prng_impls": {leaf path: impl},
                               "checksums": {leaf path: [sum, weighted sum] of the raw bits},
                               "items": [the item names saved in this step]}
+    DIR/<step>/<tree>/        orbax PyTree: a further state saved beside it (optional; e.g.
+                              `critic`, PPO's critic TrainState, `lrl.rl.critic`), its
+                              checksums in meta's "tree_checksums": {tree: {leaf: sums}}
     DIR/<step>/data/          JSON: the data-iterator state (optional)
     DIR/<step>/config/        JSON: the experiment config (optional)
     DIR/<step>/model_config/  JSON: lrl `ModelConfig` fields (optional; `export` needs it)
@@ -82,6 +85,7 @@ class Restored:
     config: Optional[dict]
     model_config: Optional[ModelConfig]
     path: str                   # the step directory that was read
+    trees: dict = dataclasses.field(default_factory=dict)   # further states asked for and saved
     skipped: list = dataclasses.field(default_factory=list)  # [(step, path, reason)] newer, bad
 
 
@@ -125,7 +129,8 @@ def _check_items(step: int, step_dir: epath.Path, names) -> None:
                                   "missing, and the step was saved with it")
 
 
-def _restore_step(mgr, step: int, step_dir: epath.Path, abstract, partial=False):
+def _restore_step(mgr, step: int, step_dir: epath.Path, abstract, partial=False,
+                  trees=None):
     """One step's items. `abstract` may hold typed-key leaves (restored via key data)."""
     # A partial restore (export's parameters) needs no data position or experiment config.
     needed = (lambda names: set(names) & {"meta", "state", "model_config"}) if partial else set
@@ -152,14 +157,22 @@ def _restore_step(mgr, step: int, step_dir: epath.Path, abstract, partial=False)
     for name in ("data", "config", "model_config"):
         if (step_dir / name).exists():
             items[name] = ocp.args.JsonRestore()
+    # Further trees (a critic) are read where the step has them: an SFT step has none.
+    extra = {n: t for n, t in (trees or {}).items() if (step_dir / n).exists()}
+    for name, t in extra.items():
+        items[name] = ocp.args.PyTreeRestore(
+            item=t, restore_args=ocp.checkpoint_utils.construct_restore_args(t))
     got = mgr.restore(step, args=ocp.args.Composite(**items))
-    saved_sums = meta.get("checksums", {})
-    for key, sums in ci.checksums(got["state"]).items():
-        if key not in saved_sums:
-            raise CheckpointError(f"step {step} stores no checksum for leaf {key!r}")
-        if saved_sums[key] != sums:
-            raise CheckpointError(f"leaf {key!r} of step {step} does not match its checksum "
-                                  "(garbled data)")
+    tree_sums = meta.get("tree_checksums", {})
+    for name, saved_sums in [("state", meta.get("checksums", {}))] + [
+            (n, tree_sums.get(n, {})) for n in extra]:
+        for key, sums in ci.checksums(got[name]).items():
+            where = key if name == "state" else f"{name}/{key}"
+            if key not in saved_sums:
+                raise CheckpointError(f"step {step} stores no checksum for leaf {where!r}")
+            if saved_sums[key] != sums:
+                raise CheckpointError(f"leaf {where!r} of step {step} does not match its "
+                                      "checksum (garbled data)")
 
     def wrap(path, x):
         key = ci.path_str(path)
@@ -176,7 +189,7 @@ def _restore_step(mgr, step: int, step_dir: epath.Path, abstract, partial=False)
                     data_state=ci.decode_data(got["data"]) if "data" in items else None,
                     config=got["config"] if "config" in items else None,
                     model_config=ci.model_config_from_dict(mc) if mc is not None else None,
-                    path=str(step_dir))
+                    path=str(step_dir), trees={n: got[n] for n in extra})
 
 
 def _uncommitted(root: epath.Path, after: int) -> list[epath.Path]:
@@ -188,7 +201,8 @@ def _uncommitted(root: epath.Path, after: int) -> list[epath.Path]:
     return sorted(out, key=lambda p: p.name)
 
 
-def _restore_newest_good(mgr, root: epath.Path, abstract, step=None, partial=False):
+def _restore_newest_good(mgr, root: epath.Path, abstract, step=None, partial=False,
+                         trees=None):
     """Newest step that restores; newer bad ones are warned about and listed in `skipped`."""
     steps = sorted(mgr.all_steps(), reverse=True)
     if step is not None:
@@ -197,7 +211,7 @@ def _restore_newest_good(mgr, root: epath.Path, abstract, step=None, partial=Fal
     for s in steps:
         step_dir = root / str(s)
         try:
-            got = _restore_step(mgr, s, step_dir, abstract, partial)
+            got = _restore_step(mgr, s, step_dir, abstract, partial, trees)
         except StateMismatchError:
             raise
         except Exception as e:  # noqa: BLE001 -- any read failure marks the step bad
@@ -315,10 +329,12 @@ class CheckpointManager:
         return due or self._mgr.reached_preemption(step)
 
     def save(self, step: int, state, data_state=None, config=None,
-             model_config: Optional[ModelConfig] = None) -> bool:
+             model_config: Optional[ModelConfig] = None, trees: Optional[dict] = None) -> bool:
         """Starts an asynchronous save of `step`; returns once the arrays are copied off the
         devices (so `state` may be donated afterwards). Any error of a previous asynchronous
-        save is raised here. A step already saved is not saved again (returns False)."""
+        save is raised here. A step already saved is not saved again (returns False).
+        `trees`: {name: a further tree of arrays (no PRNG keys)} saved as items of their own
+        (PPO's `critic`)."""
         if step == self._last_step or step in self._mgr.all_steps():
             log.info("checkpoint: step %d is already saved", step)
             return False
@@ -330,9 +346,16 @@ class CheckpointManager:
             items["config"] = ocp.args.JsonSave(ci.jsonable(config))
         if model_config is not None:
             items["model_config"] = ocp.args.JsonSave(ci.model_config_to_dict(model_config))
+        reserved = {"state", "data", "config", "model_config", "meta", "tokenizer", QUARANTINE}
+        for name, tree in (trees or {}).items():
+            if name in reserved:
+                raise ValueError(f"checkpoint: a further tree cannot be named {name!r}")
+            items[name] = ocp.args.PyTreeSave(tree)
         items["meta"] = ocp.args.JsonSave({"format": FORMAT, "step": int(step),
                                            "time": time.time(), "prng_impls": impls,
                                            "checksums": ci.checksums(raw),
+                                           "tree_checksums": {n: ci.checksums(t) for n, t in
+                                                              (trees or {}).items()},
                                            "items": sorted([*items, "meta"])})
         self._mgr.save(int(step), args=ocp.args.Composite(**items), force=True)
         self._last_step, self._last_time = int(step), time.monotonic()
@@ -354,11 +377,15 @@ class CheckpointManager:
                     p.copy(dst / p.name, overwrite=True)
         _sync("lrl_checkpoint_tokenizer")
 
-    def restore(self, abstract, shardings=None, step=None) -> Optional[Restored]:
+    def restore(self, abstract, shardings=None, step=None,
+                trees: Optional[dict] = None) -> Optional[Restored]:
         """Like `restore_latest`; unreadable newer steps are moved to DIR/quarantine/ so that
-        the resumed run's saves and keep-last-N never touch them."""
+        the resumed run's saves and keep-last-N never touch them. `trees`: {name: abstract
+        tree with shardings} of further trees to read where the step saved them
+        (`Restored.trees`)."""
         target = ci.abstract_state(abstract, shardings)
-        got = _restore_newest_good(self._mgr, self.directory, target, step)
+        trees = {n: ci.abstract_state(t) for n, t in (trees or {}).items()}
+        got = _restore_newest_good(self._mgr, self.directory, target, step, trees=trees)
         if got is not None and got.skipped:
             if jax.process_index() == 0:
                 qdir = self.directory / QUARANTINE

@@ -45,7 +45,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from lrl import collect, compiles, distributed, rl
+from lrl import collect, compiles, distributed, ppo, rl
 from lrl import mesh as mesh_lib
 from lrl.collect import Groups
 from lrl.step_setup import Setup
@@ -137,6 +137,9 @@ def pack(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray,
         token_values["old_logp"] = [groups.logps[i] for i in samples]
     seq_values = {"advantages": adv_PG.reshape(-1)[samples]}
     correction_values(s.rl, groups, samples, token_values, seq_values)
+    if s.ppo is not None:   # advantages come after the rows' forward pass (`lrl.ppo`)
+        ppo.pack_values(samples, groups.rewards_PG.reshape(-1), groups.completions,
+                        token_values, seq_values)
     ids = [p.ids for p in sample_prompts]
     kw = dict(seq_values=seq_values, token_values=token_values, truncate=True,
               max_segments=s.max_segments, cut=_cut(s))
@@ -237,6 +240,8 @@ def warm_up(s: Setup, params, batches: list[Minibatch]) -> None:
                                          for k, x in b.micro[0].items()}) for B, T in ahead]
     w = old_and_ref_logps(s, params, [dataclasses.replace(b, micro=empty)])
     mismatch_metrics(s, w)
+    if s.ppo is not None:
+        ppo.warm(s.ppo, params, w)
     compile_shapes(s.update, params, loss_inputs(s, w)[0].micro, b.denoms, b.extra)
 
 
@@ -290,9 +295,11 @@ def _global_denominators(micro, max_len):
 
 
 def old_and_ref_logps(s: Setup, params, batches: list[Minibatch]) -> list[Minibatch]:
-    """Each micro-batch with the old policy's log-probs (when a trainer forward gives them) and
-    the reference's (with KL), taken before any update of this step."""
-    if s.rl.old_logp != "trainer" and s.ref_params is None:
+    """Each micro-batch with the old policy's log-probs (when a trainer forward gives them),
+    the reference's (with KL) and the critic's old values (PPO), taken in one pass over the
+    micro-batches before any update of this step."""
+    critic = s.ppo is not None and s.ppo.critic is not None
+    if s.rl.old_logp != "trainer" and s.ref_params is None and not critic:
         return batches
     out = []
     for b in batches:
@@ -303,6 +310,8 @@ def old_and_ref_logps(s: Setup, params, batches: list[Minibatch]) -> list[Miniba
                 mb["old_logp"] = s.logprobs(params, mb, b.extra)
             if s.ref_params is not None:
                 mb["ref_logp"] = s.logprobs(s.ref_params, mb, b.extra)
+            if critic:
+                mb = ppo.old_values(s.ppo, mb, b.extra)
             micro.append(mb)
         out.append(dataclasses.replace(b, micro=micro))
     return out
@@ -336,9 +345,13 @@ def mismatch_metrics(s: Setup, batches: list[Minibatch]) -> dict:
 def loss_inputs(s: Setup, batches: list[Minibatch]) -> list[Minibatch]:
     """The micro-batches without the arrays only the metrics read (the update's inputs stay
     those it was compiled for)."""
-    if s.rl.update_measures_mismatch:
+    drop = set() if s.rl.update_measures_mismatch else (
+        {"response_pos"} | ({"rollout_logp"} if not s.rl.loss.corrects_rollout else set()))
+    if s.ppo is not None:   # the pass's arrays; the reference's too when only the reward read it
+        drop |= set(ppo.PASS_KEYS) | (
+            {"ref_logp"} if not s.update.objective.loss_cfg.kl_coef else set())
+    if not drop:
         return batches
-    drop = {"response_pos"} | ({"rollout_logp"} if not s.rl.loss.corrects_rollout else set())
     return [dataclasses.replace(b, micro=[{k: v for k, v in mb.items() if k not in drop}
                                           for mb in b.micro]) for b in batches]
 
@@ -389,7 +402,8 @@ def learn(s: Setup, state, groups: Groups, m: dict, before: Optional[dict] = Non
     groups, weight = shape_overlong(groups, s.rl)
     # A partial step trains however many groups finished (and dynamic sampling may come up
     # short of groups): one shape for all of them.
-    adv_PG = advantages(groups, s.rl.estimator, pad_P=s.rl.prompts_per_step)
+    adv_PG = (advantages(groups, s.rl.estimator, pad_P=s.rl.prompts_per_step)
+              if s.ppo is None else np.zeros(groups.rewards_PG.shape, np.float32))
     mine = process_share(groups.P)
     local = groups.take(mine)
     batches, truncated = minibatches(s, local, adv_PG[mine],
@@ -400,10 +414,19 @@ def learn(s: Setup, state, groups: Groups, m: dict, before: Optional[dict] = Non
     jax.block_until_ready([mb.get("old_logp") for b in batches for mb in b.micro])
     t_logp = time.time() - t0
     m.update(mismatch_metrics(s, batches))
+    if s.ppo is not None:
+        batches, adv_PG = ppo_advantages(s, groups, mine, batches, m)
+        if s.ppo.critic is not None:
+            m.update(ppo.critic_updates(s.ppo, batches))
     batches = loss_inputs(s, batches)
     t0 = time.time()
-    state, um = updates(s, state, batches)
-    m.update(um)
+    if s.ppo is None or s.ppo.actor_learns:
+        state, um = updates(s, state, batches)
+        m.update(um)
+    else:   # the critic's warm-up: the actor's shapes compile now, not when it first learns
+        _compile_seen(s, state.params, batches)
+    if s.ppo is not None:
+        ppo.end_step(s.ppo, m, groups.P * groups.group_size)
     tokens, slots = sum(b.tokens for b in batches), sum(b.slots for b in batches)
     lengths = [len(p.ids) + len(c) for p, c in
                zip((local.prompts[i // local.group_size] for i in range(len(local.completions))),
@@ -411,7 +434,8 @@ def learn(s: Setup, state, groups: Groups, m: dict, before: Optional[dict] = Non
     m.update({"time/update_s": time.time() - t0, "time/logprob_s": t_logp,
               # sum of squared sequence lengths: what the update's attention FLOPs grow with
               "pack/seq_len_sq": float(np.sum(np.square(lengths, dtype=np.float64))),
-              "advantage/abs_mean": float(np.abs(adv_PG).mean()),
+              # GAE's per-token advantages set their own (`lrl.ppo.gae_advantages`)
+              "advantage/abs_mean": m.get("advantage/abs_mean", float(np.abs(adv_PG).mean())),
               "pack/micro_batches": sum(len(b.micro) for b in batches),
               # the micro-batch's shape: rows of this many tokens (shorter tail buckets aside)
               "pack/row_len": s.row_len, "pack/rows_per_micro": s.rows_per_shard * s.shards,
@@ -423,6 +447,43 @@ def learn(s: Setup, state, groups: Groups, m: dict, before: Optional[dict] = Non
               "compiles/step": sum(compiles.since(before).values()),
               "compiles/total": compiles.total()})
     return state, m
+
+
+def _compile_seen(s: Setup, params, batches: list[Minibatch]) -> None:
+    """The actor's accumulate on one micro-batch of each shape the step has (no optimizer
+    step): a step of the critic's warm-up trains no actor, but compiles what it will run."""
+    from lrl.rl.update import compile_shapes
+    first = {}
+    for b in batches:
+        for mb in b.micro:
+            first.setdefault(mb["tokens"].shape, (mb, b))
+    for mb, b in first.values():
+        compile_shapes(s.update, params, [mb], b.denoms, b.extra)
+
+
+def ppo_advantages(s: Setup, groups: Groups, mine: np.ndarray, batches: list[Minibatch],
+                   m: dict):
+    """The advantages of PPO's pass (`lrl.ppo`), written into the rows: GAE from the critic's
+    values, or the outcome estimator on scores less beta x each sample's summed KL. ->
+    (batches, [P, G] advantages for the metrics: the outcome ones, or 0 with GAE)."""
+    p = s.ppo
+    adv_PG = np.zeros(groups.rewards_PG.shape, np.float32)
+    if p.critic is not None:
+        batches, pm = ppo.gae_advantages(p, batches)
+        m.update(pm)
+        return batches, adv_PG
+    from lrl.rl.kl import kl_in_score
+    G = groups.group_size
+    kl_local, km = ppo.sample_kl_sums(p, batches, int(mine.sum()) * G)
+    kl_all = ppo.all_samples(kl_local)
+    if kl_all.size != groups.rewards_PG.size:
+        raise ValueError(f"rl.kl_in_reward: {kl_all.size} samples' KL for {groups.P} x {G} "
+                         "samples (rl.prompts_per_step must divide by the process count)")
+    shaped = dataclasses.replace(groups, rewards_PG=kl_in_score(
+        groups.rewards_PG, kl_all.reshape(groups.rewards_PG.shape), p.kl_coef))
+    adv_PG = advantages(shaped, s.rl.estimator, pad_P=s.rl.prompts_per_step)
+    m.update(km)
+    return ppo.outcome_advantages(p, batches, adv_PG[mine].reshape(-1)), adv_PG
 
 
 def pass_at_k(correct_PG: np.ndarray, k: int) -> float:

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import numpy as np
@@ -24,7 +24,7 @@ from lrl import console
 from lrl import distributed
 from lrl import errors
 from lrl import experiment as ex
-from lrl import collect, grpo, step_setup, tasks, wandb_sink
+from lrl import collect, grpo, ppo, step_setup, tasks, wandb_sink
 from lrl import pipeline as pipeline_lib
 from lrl import preflight
 from lrl import mesh as mesh_lib
@@ -109,7 +109,15 @@ def _run_phases(r: Run) -> dict:
     rl_tx = ex.optimizer(opts.optim, rl_steps) if rl_steps else sft_tx
     # Both phases use the same optimizer structure (only the schedules differ), so one
     # abstract state restores either phase's checkpoint.
-    restored = r.ckpt.restore(train_lib.abstract_train_state(r.task.model_cfg, rl_tx, r.mesh))
+    # PPO's critic and the frozen reference are saved as items of their own; read where a
+    # step has them (an SFT step has neither).
+    abstract = train_lib.abstract_train_state(r.task.model_cfg, rl_tx, r.mesh)
+    trees = {}
+    if rl_steps and opts.rl.uses_critic:
+        trees["critic"] = ppo.abstract_critic(opts, r.task.model_cfg, r.mesh)
+    if rl_steps and (opts.rl.loss.kl_coef or opts.rl.kl_in_reward):
+        trees["reference"] = abstract.params
+    restored = r.ckpt.restore(abstract, trees=trees)
     if restored is not None:
         log.info("resumed from %s (step %d, phase %s)", restored.path, restored.step,
                  restored.data_state.get("phase"))
@@ -132,8 +140,9 @@ def _run_phases(r: Run) -> dict:
     elif state is None:
         state = _fresh_state(r, r.task.initial_params(), rl_tx)
     if rl_steps:
+        saved = restored.trees if restored and phase == "grpo" else {}
         out["grpo"] = grpo_phase(r, state, rl_tx, sft_steps, rl_steps, data_state,
-                                 restored.path if restored else "")
+                                 restored.path if restored else "", saved)
     return out
 
 
@@ -144,12 +153,13 @@ def _fresh_state(r: Run, params, tx):
 
 
 def _checkpoint(r: Run, step: int, state, data_state: Callable[[], dict],
-                force: bool = False):
+                force: bool = False, trees: Optional[dict] = None):
     """`data_state` is called only when this step saves: with partial rollouts it serializes
-    every carried sample, work a step that saves nothing should not do."""
+    every carried sample, work a step that saves nothing should not do. `trees`: further
+    states saved beside (PPO's critic)."""
     if force or r.ckpt.should_save(step):
         r.ckpt.save(step, state, data_state={**data_state(), "task": r.task.state()},
-                    config=r.config, model_config=r.task.model_cfg)
+                    config=r.config, model_config=r.task.model_cfg, trees=trees)
 
 
 # ----------------------------------------------------------------------------- SFT
@@ -198,11 +208,15 @@ def update_model_config(cfg, rl_, sizes: dict):
                             0 if rl_.shared_prompt == "off" else rl_.group_size)
 
 
-def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
+def build_grpo(r: Run, state, tx, pool, critic_state=None,
+               ppo_saved: Optional[dict] = None, reference=None) -> step_setup.Setup:
     """The GRPO step's compiled programs and fixed inputs, built once for the phase: the
     update for the micro-batch shapes (its token budget from the config or from device
     memory, shorter rows for a minibatch's last ones), the old / reference log-prob pass,
-    the sequence-parallel prefill."""
+    the sequence-parallel prefill; with `rl.needs_ppo_pass` PPO's part (`lrl.ppo`: the
+    critic, restored as `critic_state` or made from the policy, and the KL in the reward,
+    its coefficient from `ppo_saved`). `reference`: the frozen reference a checkpoint kept
+    (else the policy as the phase starts)."""
     opts, task, mesh = r.opts, r.task, r.mesh
     rl_ = opts.rl
     loss_cfg = ex.loss_config(opts)
@@ -216,7 +230,14 @@ def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
     shards = ex.data_shards(mesh)
     kl = bool(loss_cfg.kl_coef)
     # The frozen reference (the policy as this phase starts), made first: it takes memory.
-    ref_params = jax.tree.map(lambda x: x.copy(), state.params) if kl else None
+    ref = kl or rl_.kl_in_reward
+    ref_params = None
+    if ref:
+        ref_params = (reference if reference is not None
+                      else jax.tree.map(lambda x: x.copy(), state.params))
+    # So is PPO's critic (its params and optimizer state): the budget below is what the
+    # actor, the reference and the critic leave, and a micro-batch fits both updates.
+    p = _build_ppo(r, cfg, state, critic_state, ppo_saved, loss_cfg, kw)
     memory = budget_lib.device_memory(jax.local_devices()[0])
 
     def spec(rows_per_shard, row_len):
@@ -225,7 +246,11 @@ def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
     @functools.lru_cache(maxsize=None)   # compiled once: the same accumulator for every shape
     def apply_need():
         least = spec(*budget_lib.smallest_shape(**sizes))
-        return update_lib.apply_bytes(update, state, least, task.extra_spec())
+        need_ = update_lib.apply_bytes(update, state, least, task.extra_spec())
+        if p is not None and p.critic is not None:
+            need_ = max(need_, update_lib.apply_bytes(p.critic, p.state, _critic_spec(least),
+                                                      task.extra_spec()))
+        return need_
 
     @functools.lru_cache(maxsize=None)   # each shape compiled once, whoever asks
     def need(rows_per_shard, row_len):
@@ -233,6 +258,10 @@ def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
         try:
             acc_need = update_lib.need_bytes(update, state.params,
                                              spec(rows_per_shard, row_len), task.extra_spec())
+            if p is not None and p.critic is not None:   # the critic's update, same rows
+                acc_need = max(acc_need, update_lib.need_bytes(
+                    p.critic, p.state.params, _critic_spec(spec(rows_per_shard, row_len)),
+                    task.extra_spec()))
         except jax.errors.JaxRuntimeError as e:
             if not budget_lib.out_of_memory(e):
                 raise
@@ -283,7 +312,7 @@ def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
                   f"{cfg.max_segments - 1} sequences a row"
                   + (" (found by an earlier start, kept in the compile cache)" if found else ""))
     logp_fn = None
-    if rl_.old_logp == "trainer" or kl:
+    if rl_.old_logp == "trainer" or ref:
         logp_fn = update_lib.make_logprobs_fn(cfg, mesh, **kw)
     prefill = None
     if _sequence_parallel_prefill(r, mesh):
@@ -297,7 +326,36 @@ def build_grpo(r: Run, state, tx, pool) -> step_setup.Setup:
         buckets=lengths[1:],
         max_len=loss_cfg.max_len, prefill=prefill, engine=engine, decode=decode,
         # The frozen reference: the policy as this phase starts.
-        ref_params=ref_params)
+        ref_params=ref_params, ppo=p)
+
+
+def _build_ppo(r: Run, cfg, state, critic_state, saved, loss_cfg, kw):
+    """PPO's part of the step (`lrl.ppo`), or None when the step has no such pass; the critic
+    restored, or made now from the policy (or critic.hf_path)."""
+    opts = r.opts
+    if not opts.rl.needs_ppo_pass:
+        return None
+    if opts.rl.uses_critic and critic_state is None:
+        if saved:
+            raise ckpt_lib.CheckpointError(
+                "the checkpoint resumed holds PPO's step state but no critic item: it was "
+                f"saved by a run without rl.estimator={opts.rl.estimator!r}")
+        critic_state = ppo.init_critic(opts, cfg, r.mesh, state.params)
+    p = ppo.build(opts, cfg, r.mesh, critic_state, saved, aggregation=loss_cfg.aggregation,
+                  hidden=kw["hidden"], extra_keys=kw["extra_keys"])
+    if p.critic is not None:
+        r.writer.note(f"critic: the policy's decoder with a value head ("
+                      f"{opts.critic.hf_path or 'from the policy'}), warm-up "
+                      f"{opts.critic.warmup_steps} steps, {opts.critic.ppo_epochs} epoch(s)")
+    return p
+
+
+def _critic_spec(spec: dict) -> dict:
+    """The critic update's micro-batch arrays, from the policy update's."""
+    from lrl.rl import critic as critic_lib
+    keys = critic_lib.ROW_KEYS + ("loss_mask", "prefix_ids")
+    out = {k: v for k, v in spec.items() if k in keys}
+    return {**out, "old_values": spec["loss_mask"], "returns": spec["loss_mask"]}
 
 
 def _budget_key(r: Run, cfg, loss_cfg, sizes: dict, state, memory) -> str:
@@ -403,9 +461,11 @@ def _bytes(tree) -> int:
 
 
 def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
-               where: str = "") -> dict:
+               where: str = "", saved: Optional[dict] = None) -> dict:
     """GRPO steps (not optimizer updates: epochs x minibatches of those per step).
-    `where`: the checkpoint step directory `data_state` was read from (for its errors)."""
+    `where`: the checkpoint step directory `data_state` was read from (for its errors);
+    `saved`: the further states it kept (PPO's `critic`, the KL's `reference`)."""
+    saved = saved or {}
     opts = r.opts
     it = r.task.prompts("train")
     if data_state.get("prompt_iter"):
@@ -418,7 +478,11 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
     r.writer.begin_phase("grpo", step, opts)
     p = None
     try:
-        s = build_grpo(r, state, tx, pool)
+        if data_state.get("step") and _keeps_reference(opts) and "reference" not in saved:
+            log.warning("resume: the checkpoint keeps no KL reference (older lrl): the "
+                        "reference is the restored policy, not the phase's first")
+        s = build_grpo(r, state, tx, pool, saved.get("critic"), data_state.get("ppo"),
+                       saved.get("reference"))
         # Who samples (the eval too): this mesh, or the pipeline's rollout mesh.
         roll, sampled = s, lambda params: params
         if r.rollout_mesh is not None:
@@ -453,8 +517,10 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
             stopped = r.guard.should_stop(offset + step)
             _checkpoint(r, offset + step, state, lambda: {
                 "phase": "grpo", "step": step, "prompt_iter": it.get_state(),
-                **(pipeline_lib.to_state(carry) if p is not None else _carried(carry))},
-                        force=stopped or step == steps)
+                **(pipeline_lib.to_state(carry) if p is not None else _carried(carry)),
+                **({"ppo": s.ppo.to_state()} if s.ppo is not None else {})},
+                        force=stopped or step == steps,
+                        trees=_trees(s))
             if stopped:
                 log.info("stopping at step %d on request (SIGTERM); checkpoint saved",
                          offset + step)
@@ -482,6 +548,22 @@ def out_of_memory_message(opts, s: step_setup.Setup, step: int, e) -> str:
             f"pool), rollout.max_slots={ro.max_slots}, or keep less with model.remat="
             f"{opts.model.remat!r} ('full' keeps least); more devices (mesh.fsdp, mesh.seq) "
             "split it")
+
+
+def _keeps_reference(opts) -> bool:
+    """The step keeps a frozen reference (a KL in the loss or in the reward)."""
+    return bool(opts.rl.loss.kl_coef or opts.rl.kl_in_reward)
+
+
+def _trees(s: step_setup.Setup) -> dict:
+    """The states a GRPO checkpoint keeps beside the policy's: the frozen reference (the policy
+    as the phase began: a resume must not take the restored policy for it) and PPO's critic."""
+    out = {}
+    if s.ref_params is not None:
+        out["reference"] = s.ref_params
+    if s.ppo is not None and s.ppo.critic is not None:
+        out["critic"] = s.ppo.state
+    return out
 
 
 def _carried(carry) -> dict:

@@ -28,6 +28,7 @@ SOURCES = {"text": ("synthetic", "jsonl", "parquet"), "video": ("synthetic", "js
 TEXT_TASKS = ("arithmetic", "kv_retrieval")
 VIDEO_TASKS = ("direction", "count")
 OVERLONG = ("none", "mask", "penalty")
+TOKEN_ESTIMATORS = ("gae",)   # token-level estimators that read a critic's values (PPO)
 SHARED_PROMPT = ("off", "on", "auto")   # lrl.data.shared_prompt.MODES (no jax imported here)
 
 
@@ -245,7 +246,22 @@ class RLOptions:
     overlong_penalty: float = _opt(ge=0)
     mismatch_fraction: float = _opt(ge=0, le=1)   # 0 = no mismatch metrics
     shared_prompt: str = _opt(choices=SHARED_PROMPT)
+    gamma: float = _opt(ge=0, le=1)        # GAE's discount (verl's algorithm.gamma)
+    lam: float = _opt(ge=0, le=1)          # GAE's lambda (verl's algorithm.lam)
+    kl_in_reward: bool = _opt()            # subtract beta * KL(old || ref) from token rewards
     loss: LossOptions = None
+    kl_ctrl: "KLControlOptions" = None
+
+    @property
+    def uses_critic(self) -> bool:
+        """The estimator reads a critic's values (PPO with GAE)."""
+        return self.estimator in TOKEN_ESTIMATORS
+
+    @property
+    def needs_ppo_pass(self) -> bool:
+        """Advantages are formed after packing, from a forward pass over the packed rows
+        (`lrl.ppo`): for a critic's values, or for the KL in the reward."""
+        return self.uses_critic or self.kl_in_reward
 
     @property
     def plain_sampling(self) -> bool:
@@ -265,7 +281,9 @@ class RLOptions:
             return "trainer"
         if self.plain_sampling and not self.recompute_old_logp:
             return "sampler"
-        return "trainer" if self.epochs * self.minibatches > 1 else "none"
+        # The KL in the reward reads KL(old || ref) before any update: old log-probs needed.
+        return ("trainer" if self.epochs * self.minibatches > 1 or self.kl_in_reward
+                else "none")
 
     @property
     def update_measures_mismatch(self) -> bool:
@@ -283,6 +301,16 @@ class RLOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class KLControlOptions:
+    """The KL-in-reward coefficient's controller (verl's algorithm.kl_ctrl)."""
+    type: str = _opt(choices=("fixed", "adaptive"))
+    coef: float = _opt(ge=0)               # beta (the adaptive controller's start)
+    target_kl: float = _opt(gt=0)          # adaptive: the KL it steers to
+    horizon: int = _opt(ge=1)              # adaptive: samples over which it moves
+    estimator: str = _opt(choices=("k1", "k2", "k3", "low_var_kl"))   # verl's kl_penalty
+
+
+@dataclasses.dataclass(frozen=True)
 class OptimOptions:
     lr: float = _opt(gt=0)
     warmup_steps: int = _opt(ge=0)
@@ -290,6 +318,23 @@ class OptimOptions:
     b1: float = _opt(ge=0, lt=1)
     b2: float = _opt(ge=0, lt=1)
     clip_norm: float = _opt(ge=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticOptions:
+    """The critic of PPO (`rl.estimator="gae"`, `lrl.rl.critic`): the policy's decoder with a
+    value head, on the same mesh and micro-batches, with its own optimizer."""
+    hf_path: str                           # "": the policy's weights (head at zero / small);
+                                           # else a HF *ForTokenClassification (1 label) or
+                                           # *ForSequenceClassification checkpoint
+    head_init_std: float = _opt(ge=0)      # 0: the head starts at zero
+    remat: str = _opt(choices=("", "none", "full", "dots", "dots_no_batch", "dots_attn",
+                               "save_attn", "offload_attn"))   # "": the policy's
+    warmup_steps: int = _opt(ge=0)         # steps that update the critic alone (verl's
+                                           # trainer.critic_warmup)
+    ppo_epochs: int = _opt(ge=1)           # passes of the critic over each step's minibatches
+    cliprange_value: float = _opt(ge=0)    # verl's critic.cliprange_value
+    optim: OptimOptions = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,6 +468,7 @@ class Options:
     checkpoint: CheckpointOptions
     metrics: MetricsOptions
     pipeline: PipelineOptions
+    critic: CriticOptions = None
     video: Optional[VideoOptions] = None
     compile_cache: str = "auto"   # compiled programs and budgets kept for the next start
 
@@ -442,7 +488,7 @@ def from_config(config, check_files: bool = True) -> Options:
     key of the first value that would only break later."""
     top = dict(config.items())
     known = set(_SECTIONS) | {"job", "task", "seed", "distributed", "rl", "reward", "video",
-                              "compile_cache"}
+                              "compile_cache", "critic"}
     unknown = sorted(set(top) - known)
     if unknown:
         raise ValueError(f"config: unknown top-level keys {unknown}; the keys are "
@@ -456,7 +502,12 @@ def from_config(config, check_files: bool = True) -> Options:
     sections = {name: _read(cls, top.get(name), name) for name, cls in _SECTIONS.items()}
     rl = top.get("rl")
     loss = _read(LossOptions, rl.get("loss") if rl is not None else None, "rl.loss")
-    sections["rl"] = _read(RLOptions, rl, "rl", loss=loss)
+    kl_ctrl = _read(KLControlOptions, rl.get("kl_ctrl") if rl is not None else None,
+                    "rl.kl_ctrl")
+    sections["rl"] = _read(RLOptions, rl, "rl", loss=loss, kl_ctrl=kl_ctrl)
+    critic = top.get("critic")
+    sections["critic"] = _read(CriticOptions, critic, "critic", optim=_read(
+        OptimOptions, critic.get("optim") if critic is not None else None, "critic.optim"))
     reward = top.get("reward")
     rm = _read(RewardModelOptions, reward.get("model") if reward is not None else None,
                "reward.model")
@@ -506,7 +557,9 @@ def _check_across(o: Options) -> None:
                            o.model.param_shard_axes)
     _check_value("data.source", o.data.source, {"choices": SOURCES[o.task]})
     from lrl.rl import registry   # estimator and policy loss: registered or importable, fitting
-    registry.check(o.rl.estimator, o.rl.loss.policy_loss)
+    # The run trains a critic for the token-level estimators lrl.ppo builds (gae); another
+    # registered one that needs a critic is refused there, naming rl.estimator.
+    registry.check(o.rl.estimator, o.rl.loss.policy_loss, critic=o.rl.uses_critic)
     if o.job == "sft":
         if o.task != "text":
             raise ValueError(f"job='sft' runs on the text task only, not task={o.task!r}")
@@ -552,6 +605,31 @@ def _check_across(o: Options) -> None:
             raise ValueError(f"video.min_tokens_per_frame={v.min_tokens_per_frame} > "
                              f"video.max_tokens_per_frame={v.max_tokens_per_frame}")
     _check_pipeline(o)
+    _check_ppo(o)
+
+
+def _check_ppo(o: Options) -> None:
+    """What the critic and the KL in the reward need."""
+    rl, c = o.rl, o.critic
+    if not rl.uses_critic:
+        for name, v, off in (("warmup_steps", c.warmup_steps, 0), ("hf_path", c.hf_path, "")):
+            if v != off:
+                raise ValueError(f"critic.{name}={v!r} configures the critic, which only "
+                                 f"rl.estimator in {TOKEN_ESTIMATORS} trains (rl.estimator="
+                                 f"{rl.estimator!r}); set rl.estimator='gae' or leave it "
+                                 f"{off!r}")
+        return
+    if o.pipeline.rollout_devices:
+        raise ValueError(f"rl.estimator={rl.estimator!r} (a critic) with "
+                         f"pipeline.rollout_devices={o.pipeline.rollout_devices} is not "
+                         "built: use an outcome estimator (grpo, rloo, ...) with the pipeline")
+    if o.task != "text":
+        raise ValueError(f"rl.estimator={rl.estimator!r} (a critic) runs on the text task "
+                         f"only, not task={o.task!r}")
+    if rl.loss.ratio_level != "token":
+        raise ValueError(f"rl.estimator={rl.estimator!r} gives each token its own advantage: "
+                         "rl.loss.ratio_level must be 'token', not "
+                         f"{rl.loss.ratio_level!r}")
 
 
 # The tail share `rollout.partial=True` stops at unless told (`rollout.partial_tail=-1`):
@@ -676,7 +754,8 @@ def check_files_exist(o: Options) -> None:
         _expand("sft.paths", o.sft.paths)
     for key, path in (("model.hf_path", o.model.hf_path), ("tokenizer.path", o.tokenizer.path),
                       ("reward.model.hf_path", o.reward.model.hf_path),
-                      ("reward.model.tokenizer_path", o.reward.model.tokenizer_path)):
+                      ("reward.model.tokenizer_path", o.reward.model.tokenizer_path),
+                      ("critic.hf_path", o.critic.hf_path)):
         if path and not os.path.isdir(path):
             raise FileNotFoundError(f"{key}={path!r}: no such directory")
     if o.video is not None and o.video.video_root and not os.path.isdir(o.video.video_root):

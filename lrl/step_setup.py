@@ -37,5 +37,8 @@ class Setup:
     # Row lengths below row_len a minibatch's last rows are cut to, longest first
     # (`lrl.rl.budget.row_lengths`); () cuts none.
     buckets: tuple = ()
+    # PPO's state beside the policy's (`lrl.ppo.PPO`: the critic, the KL in the reward), when
+    # rl.needs_ppo_pass; replaced in place as steps learn.
+    ppo: object = None
     # The micro-batch shapes [B, T] the step's programs have run (`warm_up`).
     warmed: set = dataclasses.field(default_factory=set)

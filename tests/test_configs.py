@@ -12,7 +12,8 @@ from lrl import experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
-ARGS = {"qwen2_5_math.py": ["1.5b", "7b"], "default.py": [None, "runlocal"],
+ARGS = {"qwen2_5_math.py": ["1.5b", "7b"], "default.py": [None, "runlocal", "ppo"],
+        "ppo_math.py": [None, "lam95"],
         "long_context_ring.py": [None, "runlocal"], "video_qa.py": [None, "runlocal"],
         "video_synthetic.py": [None, "runlocal"]}
 

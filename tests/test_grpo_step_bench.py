@@ -1,6 +1,6 @@
 """`experiments/bench/grpo_step.py --smoke` (CPU, tiny shapes, one device) runs three GRPO steps
 through `lrl.loop.run` for the text case and for the two real-model configs' rows
-(`--case video_qa`, `--case long_context_ring`), prints a table of three step rows with finite
+(`--case video_qa`, `--case long_context_ring`) and PPO's step (`--estimator gae`), prints a table of three step rows with finite
 numbers, and compiles nothing after the first step."""
 import json
 import math
@@ -13,7 +13,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {"text": [], "video_qa": ["--case", "video_qa"],
-         "long_context_ring": ["--case", "long_context_ring"]}
+         "long_context_ring": ["--case", "long_context_ring"],
+         "gae": ["--estimator", "gae"]}   # PPO's step: a critic beside the actor
 
 
 @pytest.fixture(scope="module")

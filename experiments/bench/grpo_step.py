@@ -17,6 +17,11 @@ for N steps at a real model's shapes, random weights, with a controlled response
         # ... and how step 5 used the device: busy share, time per program, idle gaps
     python experiments/bench/grpo_step.py --smoke                   # CPU, tiny, checks it runs
     python experiments/bench/grpo_step.py --smoke --case video_qa   # (or long_context_ring)
+    python experiments/bench/grpo_step.py --case long --steps 4 --estimator gae
+        # PPO's step: a critic (the policy's decoder with a value head) on the same device,
+        # its old values in the log-prob pass, GAE, its update before the actor's (the
+        # table's FLOPs count the actor's alone; the critic's time is in the host column and
+        # in metrics.jsonl's time/critic_s)
 
 The one thing the benchmark adds to the loop: each sample's end is forced at a length drawn
 from a log-normal (sigma 1, mean `--mean` before the cap at `--cap`), since random weights
@@ -168,6 +173,8 @@ def make_config(a):
                 # beside its state on one H200 (2K: 3 GB); 1.5B was measured at 8K.
                 logprob_chunk=a.chunk or (2048 if shape == "7b" else 8192),
                 row_len=_video_row_len(c, a) if video else 0, max_tokens_per_micro=a.budget)
+    if a.estimator:   # e.g. gae: PPO with a critic (lrl/ppo.py), no critic warm-up
+        c.rl.estimator = a.estimator
     c.reward.update(spec="bench_coin:1.0", num_workers=0)
     c.rollout.update(max_slots=a.slots, pool_tokens=0, pool_fraction=a.pool_fraction,
                      prefill_tokens=a.prefill_tokens, sp_min_tokens=0,
@@ -300,6 +307,9 @@ def main():
     ap.add_argument("--pool-fraction", type=float, default=0.4)
     ap.add_argument("--prefill-tokens", type=int, default=16384)
     ap.add_argument("--recompute-old-logp", action="store_true")
+    ap.add_argument("--estimator", default="",
+                    help="rl.estimator (default: the config's, grpo); gae runs PPO's step with "
+                         "a critic")
     ap.add_argument("--peak-tflops", type=float, default=791.0)
     ap.add_argument("--hbm-tbs", type=float, default=4.1)
     ap.add_argument("--decode-frac", type=float, default=0.50,

@@ -84,14 +84,16 @@ def _finish(state: TrainState, grads, metrics, tx):
     return TrainState(state.step + 1, params, opt_state), metrics
 
 
-def _zero_grads(model_cfg, params, mesh):
+def _zero_grads(model_cfg, params, mesh, param_sh=None):
     """The gradient accumulator: zeros in the masters' dtype, as the Adam moments (fp32
     masters accumulate in fp32; bf16 ones, whose gradients and moments are bf16, in bf16: an
-    fp32 accumulator would be twice their size, 30 GB for a 7B model)."""
+    fp32 accumulator would be twice their size, 30 GB for a 7B model). `param_sh`: the
+    parameters' shardings when they are not the decoder's own tree (the critic's)."""
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
     if mesh is not None:  # the accumulator lives sharded like the parameters
         zeros = jax.lax.with_sharding_constraint(
-            zeros, models.param_shardings(model_cfg, mesh, params))
+            zeros, param_sh if param_sh is not None
+            else models.param_shardings(model_cfg, mesh, params))
     return zeros
 
 
@@ -140,8 +142,9 @@ class AccumulatePrograms(NamedTuple):
     apply: Callable
 
 
-def _start(params, *, metric_shapes, model_cfg, mesh):
-    return Accumulator(_zero_grads(model_cfg, params, mesh), _metric_identity(metric_shapes))
+def _start(params, *, metric_shapes, model_cfg, mesh, param_sh=None):
+    return Accumulator(_zero_grads(model_cfg, params, mesh, param_sh),
+                       _metric_identity(metric_shapes))
 
 
 class _Start:
@@ -159,7 +162,9 @@ class _Start:
         if key not in self._programs:
             shapes = jax.eval_shape(self._micro_loss, params, mb, *args)[1]
             fn = functools.partial(_start, metric_shapes=shapes, model_cfg=self._model_cfg,
-                                   mesh=self._mesh)
+                                   mesh=self._mesh, param_sh=(
+                                       None if self._out_shardings is None
+                                       else self._out_shardings.grads))
             self._programs[key] = (jax.jit(fn) if self._out_shardings is None
                                    else jax.jit(fn, out_shardings=self._out_shardings))
         return self._programs[key](params)
@@ -176,12 +181,15 @@ def _apply(state: TrainState, acc: Accumulator, *, tx):
 
 
 def make_accumulate_programs(micro_loss: Callable, model_cfg, tx, mesh=None, *,
-                             uninit_scan: Optional[bool] = None) -> AccumulatePrograms:
+                             uninit_scan: Optional[bool] = None,
+                             param_sh=None, state_sh=None) -> AccumulatePrograms:
     """The three programs for `micro_loss(params, mb, *args) -> (loss, metrics)`, jitted once:
     `accumulate` compiles once per micro-batch shape, the others once. With a mesh the
     accumulator's gradients keep the parameters' sharding, the state keeps its own, metrics
     are replicated. `uninit_scan`: as `jit_step`, for `accumulate` (the program that runs the
-    layer scans)."""
+    layer scans). `param_sh`, `state_sh`: the parameters' and the train state's shardings
+    when the parameters are not the decoder's tree of `model_cfg` (the critic's: the decoder
+    and a value head, `lrl.rl.critic`)."""
     if uninit_scan is None:
         uninit_scan = mesh is None or mesh.size == 1
     acc = functools.partial(_accumulate, micro_loss=micro_loss, mesh=mesh)
@@ -192,9 +200,9 @@ def make_accumulate_programs(micro_loss: Callable, model_cfg, tx, mesh=None, *,
                                       jax.jit(apply, donate_argnums=(0,)))
     else:
         rep = mesh_lib.replicated(mesh)
-        grads_sh = models.param_shardings(model_cfg, mesh)
+        grads_sh = models.param_shardings(model_cfg, mesh) if param_sh is None else param_sh
         acc_sh = Accumulator(grads_sh, rep)
-        state_sh = train_state_shardings(model_cfg, tx, mesh)
+        state_sh = train_state_shardings(model_cfg, tx, mesh) if state_sh is None else state_sh
         jit_acc = jax.jit(acc, donate_argnums=(1,), out_shardings=acc_sh)
         programs = AccumulatePrograms(_Start(micro_loss, model_cfg, mesh, acc_sh), jit_acc,
                                       jax.jit(apply, donate_argnums=(0,),
@@ -227,7 +235,11 @@ def train_state_shardings(model_cfg, tx, mesh) -> TrainState:
     parameters follow the parameters' sharding, the rest (counts, hyper-parameters) are
     replicated."""
     shapes = models.abstract_params(model_cfg)
-    param_sh = models.param_shardings(model_cfg, mesh, shapes)
+    return state_shardings(tx, models.param_shardings(model_cfg, mesh, shapes), mesh, shapes)
+
+
+def state_shardings(tx, param_sh, mesh, shapes) -> TrainState:
+    """`train_state_shardings` of any parameter tree: its shapes and shardings given."""
     opt_shapes = jax.eval_shape(tx.init, shapes)
     replicated = mesh_lib.replicated(mesh)
     opt_sh = optax.tree_utils.tree_map_params(
