@@ -83,6 +83,7 @@ def test_greedy_matches_transformers(tiny, family):
             np.testing.assert_allclose(logps, rows[np.arange(len(tokens)), tokens], atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_fused_decode_kernel_matches_xla_path(tiny, family):
     """The fused kernel (bias, Qwen3's q/k norm, RoPE, page write, attention; interpreted on
@@ -106,6 +107,7 @@ def test_fused_decode_kernel_matches_xla_path(tiny, family):
             np.testing.assert_allclose(la, lb, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_end_token_stops_each_sample_where_it_appears(tiny):
     """Samples stop at different calls. With 9 slots no prompt waits, so the host collects
     each decode call while the next one runs; with 2 slots it collects each at once."""
@@ -136,6 +138,7 @@ def test_end_token_stops_each_sample_where_it_appears(tiny):
     assert len(stops) > 1
 
 
+@pytest.mark.slow
 def test_sampled_logps_match_forward_and_seeds_repeat(tiny):
     _, cfg, params, _ = tiny("qwen3")
     prompts = _prompts(cfg, [7, 3, 10], seed=1)
@@ -349,6 +352,7 @@ def test_pool_and_prompt_errors(tiny):
         rollout.generate(cfg, params, [[]], max_new_tokens=2)
 
 
+@pytest.mark.slow
 def test_top_k_top_p_sharded_params(tiny):
     """Log-probs under the top-k / top-p distribution; params sharded for training (left in
     their sharding) give the same samples as unsharded ones."""
@@ -421,6 +425,7 @@ def test_decode_layout_joins_qkv_without_tensor_parallelism(tiny, arch):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_per_program", [1, 0])
 def test_generate_with_the_gqa_kernel_equals_xla(tiny, kv_per_program):
     """Whole rollouts through our decode kernel (the Pallas interpreter on CPU), one or both
@@ -441,6 +446,7 @@ def test_generate_with_the_gqa_kernel_equals_xla(tiny, kv_per_program):
             np.testing.assert_allclose(la, lb, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_pages_grow_and_preempted_samples_draw_the_same_tokens(tiny):
     """A pool too small for every slot's samples at once: slots get pages as they grow, the
     youngest are preempted when the pool runs short and run again from their start, and each
@@ -479,6 +485,7 @@ def test_pages_grow_and_preempted_samples_draw_the_same_tokens(tiny):
     assert steps.decode_steps._cache_size() == n and engine.pool.all_free()
 
 
+@pytest.mark.slow
 def test_tail_decode_calls_on_the_live_rows_draw_the_same_tokens(tiny):
     """Once no sample waits, decode calls compute only the live slots' rows (narrower
     programs, `EngineConfig.narrow_widths`): every sample draws what it draws when each call
@@ -504,6 +511,7 @@ def test_tail_decode_calls_on_the_live_rows_draw_the_same_tokens(tiny):
         EngineConfig(max_slots=4, narrow_widths=(4,))
 
 
+@pytest.mark.slow
 def test_overlapped_admission_draws_the_same_tokens(tiny):
     """`overlap_admission`: while samples wait, the next decode call is launched before the
     last is collected, so freed slots are refilled a call later; each sample still draws what

@@ -205,6 +205,7 @@ def assert_blocks_match(seg, pre, max_runs, nan_rows=()):
 
 # ----------------------------------------------------------------------------- the runs
 
+@pytest.mark.slow
 @pytest.mark.parametrize("G,row_len,prompt_len,completion_len,unshared", [
     (2, 48, (2, 12), (0, 7), 0), (3, 48, (2, 12), (0, 7), 1), (6, 48, (2, 12), (0, 7), 0),
     (4, 64, (20, 40), (1, 4), 1), (8, 40, (2, 6), (0, 3), 2), (2, 32, (2, 4), (5, 9), 0)])
@@ -221,6 +222,7 @@ def test_cross_runs_through_the_stand_in_equal_the_xla_prefix_block(
         assert not bool(runs.q_in_BT[seg > 0].all())
 
 
+@pytest.mark.slow
 def test_rows_of_more_groups_than_runs_are_nan_and_others_exact():
     """A row with more groups than the call's runs is NaN (output and gradients), never a
     wrong answer; the rows after it, whose runs cuDNN numbers after its, stay exact."""
@@ -249,6 +251,7 @@ def test_packed_runs_row_of_too_many_segments_leaves_the_next_rows_exact():
         np.testing.assert_allclose(lse[b], l_x[b], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_runs_are_matched_by_id_and_odd_rows_are_nan():
     """Rows the packer does not make, each with a good row around it: a prefix with no
     responses between two groups (matched by id, not by order); responses whose prefix is
@@ -269,6 +272,7 @@ def test_runs_are_matched_by_id_and_odd_rows_are_nan():
     assert not bool(runs.q_in_BT[2, :5].any())                    # no prefix of id 9
 
 
+@pytest.mark.slow
 def test_packer_puts_a_group_in_one_row_its_prefix_first_ids_increasing():
     """The dense layout as `pack_groups` makes it (chunks, a cut, unshared sequences, caps on
     segments): each query run's keys are the run just before it (its prefix), in one row,
@@ -319,6 +323,7 @@ def stand_in_cudnn(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("G,unshared", [(1, 0), (2, 1), (3, 0), (6, 1)])
 def test_shared_attention_cudnn_path_with_the_stand_in(monkeypatch, G, unshared):
     """`shared_attention` on its cuDNN path (self block packed, prefix block as CrossRuns)
