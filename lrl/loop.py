@@ -280,7 +280,9 @@ def build_grpo(r: Run, state, tx, pool, critic_state=None,
 
     # What a start with the same model, mesh, settings and device found (`lrl.compile_cache`):
     # its smallest micro-batch's need and its budget, without compiling either again.
-    key = _budget_key(r, cfg, loss_cfg, sizes, state, memory) if memory is not None else None
+    # (One process: processes with caches of their own could choose different budgets.)
+    key = (_budget_key(r, cfg, loss_cfg, sizes, state, memory)
+           if memory is not None and jax.process_count() == 1 else None)
     found = compile_cache.load_budget(r.cache.path, key) if key else None
     # The rollout's pool takes its share of what the smallest micro-batch leaves; the update's
     # budget is then what is left.
