@@ -281,7 +281,11 @@ def build_grpo(r: Run, state, tx, pool, critic_state=None,
     # What a start with the same model, mesh, settings and device found (`lrl.compile_cache`):
     # its smallest micro-batch's need and its budget, without compiling either again.
     # (One process: processes with caches of their own could choose different budgets.)
-    key = (_budget_key(r, cfg, loss_cfg, sizes, state, memory)
+    # What else lives beside the update: the reference and PPO's critic (its update is
+    # compiled for the same shapes, so a run with one must not take a budget found without).
+    critic = p.state if p is not None and p.critic is not None else None
+    key = (_budget_key(r, cfg, loss_cfg, sizes, (state, critic), memory,
+                       held=(ref, rl_.estimator, rl_.kl_in_reward))
            if memory is not None and jax.process_count() == 1 else None)
     found = compile_cache.load_budget(r.cache.path, key) if key else None
     # The rollout's pool takes its share of what the smallest micro-batch leaves; the update's
@@ -360,9 +364,10 @@ def _critic_spec(spec: dict) -> dict:
     return {**out, "old_values": spec["loss_mask"], "returns": spec["loss_mask"]}
 
 
-def _budget_key(r: Run, cfg, loss_cfg, sizes: dict, state, memory) -> str:
+def _budget_key(r: Run, cfg, loss_cfg, sizes: dict, state, memory, held=()) -> str:
     """What the update's memory, and what is in use before it, depend on: the update's model
-    config (remat, dtypes, runs a row), its loss, the row settings, the train state's arrays,
+    config (remat, dtypes, runs a row), its loss, the row settings, the train states' arrays
+    (the policy's, PPO's critic's) and what else is held (`held`: the reference, the estimator),
     the rollout pool's settings, the mesh, the device and its memory, jax."""
     o, device = r.opts, jax.local_devices()[0]
     return compile_cache.budget_key(
@@ -371,8 +376,9 @@ def _budget_key(r: Run, cfg, loss_cfg, sizes: dict, state, memory) -> str:
                 o.rl.group_size, o.rl.max_new_tokens, o.data.max_prompt_len),
         rollout=o.rollout, pipeline=o.pipeline, extra=(r.task.extra_keys, _name(r.task.hidden)),
         state=[(x.shape, x.dtype, str(x.sharding)) for x in jax.tree.leaves(state)],
-        mesh=dict(r.mesh.shape), device=(device.platform, device.device_kind, memory[0],
-                                         jax.process_count(), jax.device_count()),
+        held=held, mesh=dict(r.mesh.shape),
+        device=(device.platform, device.device_kind, memory[0], jax.process_count(),
+                jax.device_count()),
         jax=(jax.__version__, getattr(jax.lib, "__version__", "")))
 
 
