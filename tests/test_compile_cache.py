@@ -103,6 +103,7 @@ def test_the_search_never_compiles_a_shape_whose_logits_cannot_fit():
     assert 33 in tried and max(tried) > most and floor(33, T) > available
 
 
+@pytest.mark.slow
 def test_the_second_start_loads_programs_and_skips_the_budget_search(tmp_path, monkeypatch):
     """Two runs of one config in two workdirs side by side (one `.lrl-cache`), device memory
     faked so the budget is searched: the second compiles nothing for the search, loads its

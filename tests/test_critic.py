@@ -216,6 +216,7 @@ def _saved(workdir, item):
     return ocp.PyTreeCheckpointer().restore(os.path.join(root, str(step), item))
 
 
+@pytest.mark.slow
 def test_ppo_runs_end_to_end_resumes_exactly_and_compiles_nothing_after_step_two(
         tmp_path, monkeypatch):
     cfg = _ppo_config()

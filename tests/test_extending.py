@@ -1,5 +1,6 @@
 """docs/extending.md's worked example (experiments/plugins/passk.py): the pass@k estimator and
 the CISPO loss against hand-computed numbers, and a tiny GRPO run that selects both by path."""
+import pytest
 import functools
 import json
 
@@ -49,6 +50,7 @@ def test_cispo_by_hand():
     np.testing.assert_allclose(g[0], -w * np.array([1.0, -2.0, 0.5]), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_tiny_grpo_run_with_the_plugins(tmp_path, monkeypatch):
     calls, real = [], passk.passk_advantages
 

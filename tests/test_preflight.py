@@ -253,6 +253,7 @@ def _main(*args, timeout=300):
     return out, time.perf_counter() - t0
 
 
+@pytest.mark.slow
 def test_the_command_line_exits_2_without_a_traceback(files, tmp_path):
     common = ["--config=configs/qwen2_5_math.py", f"--workdir={tmp_path / 'run'}",
               f"--config.tokenizer.path={files['tok_corrupt']}",
@@ -268,6 +269,7 @@ def test_the_command_line_exits_2_without_a_traceback(files, tmp_path):
     assert err.index("Traceback") < err.index(f"{errors.PROG}: error: the tokenizer does not load")
 
 
+@pytest.mark.slow
 def test_bad_overrides_leave_a_real_checkpoint_and_its_logs_alone(files, tmp_path, capsys):
     work = str(tmp_path)
     c = tiny_config()

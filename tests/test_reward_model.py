@@ -168,6 +168,7 @@ def test_config_rules(tmp_path, rm_dir):
     assert json.dumps(options.as_dict(c))  # stays plain data for the checkpoint
 
 
+@pytest.mark.slow
 def test_loop_weighs_the_reward_model_in(tmp_path, rm_dir):
     """The default config's GRPO loop with spec "synthetic:1.0,rm:0.5": the model term is
     scored every step (the prompts' messages reach it through the text task), and the step's
