@@ -5,7 +5,7 @@ wall and CPU seconds of training (rollout, rewards, update; the held-out evals e
 added to its metrics as `bench/train_wall_s` and `bench/train_cpu_s`, cumulative, so the
 held-out reward can be read against the time spent (docs/ppo.md).
 
-    nice python experiments/ppo_vs_grpo_cpu.py --steps 40 --workdir /tmp/ppo-vs-grpo
+    nice python experiments/bench/ppo_vs_grpo_cpu.py --steps 40 --workdir /tmp/ppo-vs-grpo
 """
 import argparse
 import json
@@ -14,7 +14,7 @@ import shutil
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 
