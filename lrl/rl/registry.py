@@ -172,19 +172,27 @@ def _check_loss_signature(fn: Callable, name: str, key: str) -> None:
                          ) from e
 
 
+def _named(spec: str, key: str, table: dict, what: str, a_what: str):
+    """(the registered entry, None) for a name, (None, the function) for "pkg.module:function";
+    a ValueError naming `key` for anything else."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"{key}={spec!r}: expected {a_what} name or 'pkg.module:function'")
+    if ":" in spec:
+        return None, _import(spec, key)
+    if spec not in table:
+        raise ValueError(f"{key}={spec!r}: unknown {what}; registered: "
+                         f"{', '.join(table)}, or 'pkg.module:function'")
+    return table[spec], None
+
+
 def estimator(spec: str, key: str = "rl.estimator") -> Estimator:
     """The estimator a config names: a registered name or "pkg.module:function" (an outcome
     estimator; register it with `register_estimator` for a token-level one). Raises a
     ValueError naming `key` when the name is unknown, the module or function does not import,
     or the signature does not fit."""
-    if not isinstance(spec, str) or not spec:
-        raise ValueError(f"{key}={spec!r}: expected an estimator name or 'pkg.module:function'")
-    if ":" not in spec:
-        if spec not in _ESTIMATORS:
-            raise ValueError(f"{key}={spec!r}: unknown estimator; registered: "
-                             f"{', '.join(estimator_names())}, or 'pkg.module:function'")
-        return _ESTIMATORS[spec]
-    fn = _import(spec, key)
+    registered, fn = _named(spec, key, _ESTIMATORS, "estimator", "an estimator")
+    if registered is not None:
+        return registered
     for est in _ESTIMATORS.values():   # a registered function named by its path
         if est.fn is fn:
             return dataclasses.replace(est, name=spec)
@@ -195,14 +203,9 @@ def estimator(spec: str, key: str = "rl.estimator") -> Estimator:
 
 def policy_loss_fn(spec: str, key: str = "rl.loss.policy_loss") -> Callable:
     """The policy loss a config names: a registered name or "pkg.module:function"."""
-    if not isinstance(spec, str) or not spec:
-        raise ValueError(f"{key}={spec!r}: expected a policy loss name or 'pkg.module:function'")
-    if ":" not in spec:
-        if spec not in _POLICY_LOSSES:
-            raise ValueError(f"{key}={spec!r}: unknown policy loss; registered: "
-                             f"{', '.join(policy_loss_names())}, or 'pkg.module:function'")
-        return _POLICY_LOSSES[spec]
-    fn = _import(spec, key)
+    registered, fn = _named(spec, key, _POLICY_LOSSES, "policy loss", "a policy loss")
+    if registered is not None:
+        return registered
     _check_loss_signature(fn, spec, key)
     return fn
 
