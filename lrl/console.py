@@ -57,29 +57,56 @@ class _DropHarmless(logging.Filter):
 
 CPP_LOG = "xla.log"
 _cpp_log: str | None = None   # where the C++ runtime's stderr goes, once `quiet_cpp` ran
+_held: str | None = None      # the temporary file it goes to before that (`hold_cpp`)
 
 
-def quiet_cpp(workdir: str) -> str:
-    """XLA's and its autotuner's C++ log lines (`E1204 ... gemm_fusion_autotuner ...`, written
-    by the runtime straight to file descriptor 2, past Python's logging) go to
-    `workdir`/xla.log, appended; Python's stderr (its logging, warnings and tracebacks) keeps
-    the console. Returns the log's path. Once per process (the CLI's: a library user's stderr
-    is left alone)."""
-    global _cpp_log
-    if _cpp_log is None:
-        os.makedirs(workdir, exist_ok=True)
-        path = os.path.join(os.path.abspath(workdir), CPP_LOG)
+def _redirect(path: str) -> None:
+    """File descriptor 2 (the C++ runtime's stderr) to `path`, appended; the first time,
+    Python's stderr and the log handlers on it move to a copy of the console's descriptor."""
+    log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stderr.flush()
+    if _cpp_log is None and _held is None:
         console = os.fdopen(os.dup(2), "w", buffering=1)
-        log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        sys.stderr.flush()
-        os.dup2(log_fd, 2)
-        os.close(log_fd)
         old, sys.stderr = sys.stderr, console
         from absl import logging as absl_logging
         handlers = logging.getLogger().handlers + [absl_logging.get_absl_handler().python_handler]
         for h in handlers:
             if isinstance(h, logging.StreamHandler) and h.stream in (old, sys.__stderr__):
                 h.setStream(console)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+
+
+def hold_cpp() -> None:
+    """Until the workdir may be written (the start-up checks must leave it as it was, yet the
+    mesh they build already logs), the C++ runtime's lines go to a temporary file; `quiet_cpp`
+    moves them into the workdir's log."""
+    global _held
+    if _cpp_log is None and _held is None:
+        import tempfile
+        fd, path = tempfile.mkstemp(prefix="lrl-xla-", suffix=".log")
+        os.close(fd)
+        _redirect(path)
+        _held = path
+
+
+def quiet_cpp(workdir: str) -> str:
+    """XLA's and its autotuner's C++ log lines (`E1204 ... gemm_fusion_autotuner ...`, written
+    by the runtime straight to file descriptor 2, past Python's logging) go to
+    `workdir`/xla.log, appended (with what `hold_cpp` kept before it); Python's stderr (its
+    logging, warnings and tracebacks) keeps the console. Returns the log's path. Once per
+    process (the CLI's: a library user's stderr is left alone)."""
+    global _cpp_log, _held
+    if _cpp_log is None:
+        os.makedirs(workdir, exist_ok=True)
+        path = os.path.join(os.path.abspath(workdir), CPP_LOG)
+        if _held is not None:
+            with open(_held, "rb") as src, open(path, "ab") as dst:
+                dst.write(src.read())
+        _redirect(path)
+        if _held is not None:
+            os.remove(_held)
+            _held = None
         _cpp_log = path
     return _cpp_log
 

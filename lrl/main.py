@@ -36,16 +36,20 @@ def main(argv):
     from lrl import console
     verbose = flags.FLAGS["verbosity"].present
     console.setup_logging(verbose=verbose)
-    return run(_CONFIG.value, _WORKDIR.value, verbose)
+    # Without --verbosity, XLA's C++ log lines go to <workdir>/xla.log (the command line's
+    # process only: a caller of `run` keeps its stderr).
+    return run(_CONFIG.value, _WORKDIR.value, verbose, quiet_cpp=not verbose)
 
 
-def run(config, workdir: str, verbose: bool = False) -> int:
+def run(config, workdir: str, verbose: bool = False, quiet_cpp: bool = False) -> int:
     """`loop.run`, a user error reported in one message: the exit code (0, or 2)."""
     from lrl import console, errors, preflight
 
     def go():
+        if quiet_cpp:
+            console.hold_cpp()
         started = preflight.start(config, workdir)   # before the loop's imports: errors sooner
-        if not verbose:
+        if quiet_cpp:
             # XLA's C++ log lines go to <workdir>/xla.log: only once the checks passed, so a
             # refused run leaves the workdir as it was.
             console.quiet_cpp(workdir)

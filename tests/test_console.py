@@ -16,7 +16,9 @@ from lrl import console
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Imported by lrl/ but deliberately not in requirements.txt, with the reason.
-OPTIONAL = {"torch": "lrl.export --format=torch only; requirements-dev.txt has it"}
+OPTIONAL = {"torch": "lrl.export --format=torch only; requirements-dev.txt has it",
+            "wandb": "lrl.wandb_sink, only with metrics.wandb_project; requirements-dev.txt has "
+                     "it for the sink's offline test"}
 # Not imported by lrl/, but needed at run time by what it calls.
 RUNTIME_ONLY = {"jinja2": "transformers renders the chat template with it"}
 
