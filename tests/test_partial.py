@@ -387,9 +387,11 @@ def _run_cut(workdir, c, monkeypatch, at):
 
 
 def _compared(row):
-    # Wall times and compile counts differ between runs (a resumed run compiles again), and
-    # so does the engine's running count of pages allocated since it was built (per process).
-    return {k: v for k, v in row.items() if not k.startswith(("time/", "compiles/"))
+    # Wall times and compile counts differ between runs (a resumed run compiles again, or
+    # loads from the compile cache), and so does the engine's running count of pages
+    # allocated since it was built (per process).
+    return {k: v for k, v in row.items()
+            if not k.startswith(("time/", "compiles/", "compile_cache/"))
             and not k.endswith("_s") and k != "rollout/pages_allocated"}
 
 
