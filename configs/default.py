@@ -192,7 +192,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # --- optimizer (GRPO phase) ---------------------------------------------------------------
     c.optim = ml_collections.ConfigDict(dict(
-        lr=1e-4, warmup_steps=5, weight_decay=0.0, b1=0.9, b2=0.99, clip_norm=1.0))
+        lr=1e-4, warmup_steps=5, weight_decay=0.0, b1=0.9, b2=0.99, clip_norm=1.0,
+        offload="auto",              # masters + Adam moments in host memory, streamed a layer
+                                     # at a time: "auto" when the device cannot hold them
+                                     # (never on CPU), "on", "off" (docs/offload.md)
+    ))
 
     # --- the critic (rl.estimator="gae": PPO; lrl/rl/critic.py, docs/ppo.md) -------------------
     c.critic = ml_collections.ConfigDict(dict(
@@ -205,7 +209,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         ppo_epochs=1,                # critic passes over each step's minibatches
         cliprange_value=0.5,         # value clip around the old values (verl's 0.5)
         optim=dict(lr=1e-5, warmup_steps=0, weight_decay=0.0, b1=0.9, b2=0.999,
-                   clip_norm=1.0)))
+                   clip_norm=1.0, offload="off")))   # the critic's stays on the device
 
     # --- rewards: [(registry name, weight), ...] scored in a worker pool ---------------------
     c.reward = ml_collections.ConfigDict()

@@ -318,6 +318,10 @@ class OptimOptions:
     b1: float = _opt(ge=0, lt=1)
     b2: float = _opt(ge=0, lt=1)
     clip_norm: float = _opt(ge=0)
+    # fp32 masters and Adam moments in pinned host memory, streamed to the device a layer at
+    # a time by the optimizer step (lrl/rl/offload.py, docs/offload.md): "auto" when the
+    # device cannot hold them beside the update's needs, "on", "off".
+    offload: str = _opt(choices=("auto", "on", "off"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -508,6 +512,9 @@ def from_config(config, check_files: bool = True) -> Options:
     critic = top.get("critic")
     sections["critic"] = _read(CriticOptions, critic, "critic", optim=_read(
         OptimOptions, critic.get("optim") if critic is not None else None, "critic.optim"))
+    if sections["critic"].optim.offload == "on":
+        raise ValueError("critic.optim.offload='on': the critic's optimizer stays on the "
+                         "device (only the policy's is offloaded); set it 'off' or 'auto'")
     reward = top.get("reward")
     rm = _read(RewardModelOptions, reward.get("model") if reward is not None else None,
                "reward.model")
