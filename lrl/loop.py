@@ -151,8 +151,8 @@ def _run_phases(r: Run) -> dict:
 
 def _fresh_state(r: Run, params, tx):
     """A phase starts its own optimizer (and step count) on the params it is given."""
-    state = train_lib.init_train_state(params, tx)
-    return jax.device_put(state, train_lib.train_state_shardings(r.task.model_cfg, tx, r.mesh))
+    return train_lib.place_train_state(
+        params, tx, train_lib.train_state_shardings(r.task.model_cfg, tx, r.mesh))
 
 
 def _checkpoint(r: Run, step: int, state, data_state: Callable[[], dict],

@@ -38,7 +38,7 @@ def _run(cfg, tx, mesh, steps=3, host_driven=False):
     """`steps` updates from the same params and batches -> (state, metrics per step)."""
     sh = upd.train_state_shardings(cfg, tx, mesh)
     params = jax.tree.map(jnp.array, _params())
-    state = jax.device_put(train_lib.init_train_state(params, tx), sh)
+    state = train_lib.place_train_state(params, tx, sh)
     out = []
     if host_driven:   # the loop's path: accumulate per micro-batch, then apply
         u = upd.make_update_programs(cfg, LOSS, tx, mesh, chunk=8)
@@ -205,3 +205,22 @@ def test_config_field_builds_the_offloaded_optimizer():
     c.critic.optim.offload = "on"
     with pytest.raises(ValueError, match="critic.optim.offload"):
         experiment.options(c, check_files=False)
+
+
+def test_placed_state_is_the_initial_state_leaf_by_leaf():
+    """`place_train_state` builds the offloaded state a leaf at a time (moments as host zeros,
+    the optimizer's scalars from an init on empty parameters): the same values, structure and
+    shardings as `init_train_state` whole; and from host masters (an offloaded SFT phase handing
+    on to GRPO) the same again."""
+    mesh = mesh_lib.make_mesh(MESH)
+    _, off = _txs(CFG.replace(dtype=jnp.bfloat16))
+    sh = upd.train_state_shardings(CFG, off, mesh)
+    params = jax.tree.map(jnp.array, _params())
+    placed = train_lib.place_train_state(params, off, sh)
+    whole = jax.device_put(train_lib.init_train_state(params, off), sh)
+    again = train_lib.place_train_state(train_lib.masters(placed), off, sh)
+    assert jax.tree.structure(placed) == jax.tree.structure(whole)
+    for a, b, c, s in zip(*(jax.tree.leaves(t) for t in (placed, whole, again, sh))):
+        assert a.dtype == b.dtype == c.dtype and a.sharding == s == c.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(c), np.asarray(b))

@@ -168,6 +168,32 @@ def init_state(params, tx: Offload):
     return jax.tree.map(lambda x: x.astype(tx.compute_dtype), params), tx.init(params)
 
 
+def place_state(params, tx: Offload, params_sh, opt_sh):
+    """(compute params, OffloadState) of master `params`, placed in `params_sh` / `opt_sh`
+    (`state_shardings`) one leaf at a time: built whole on the device (as `init_state` then
+    a `device_put`) a 7B state would take 106 GB of it before moving out. The moments start
+    as zeros made on the host; the optimizer's scalar state comes from `inner.init` on empty
+    parameters (it does not depend on their values)."""
+    params = jax.tree.map(_off_host, params)   # masters handed on from an offloaded phase
+    compute = jax.tree.map(lambda x, sh: jax.device_put(x.astype(tx.compute_dtype), sh),
+                           params, params_sh)
+    masters = jax.tree.map(lambda x, sh: jax.device_put(x.astype(tx.master_dtype), sh),
+                           params, opt_sh.masters)
+    small = tx.inner.init(jax.tree.map(lambda x: jnp.zeros((0,), tx.master_dtype), params))
+    inner = optax.tree_utils.tree_map_params(
+        tx.inner, lambda leaf, x: np.zeros(x.shape, leaf.dtype), small, params,
+        transform_non_params=lambda leaf: leaf)
+    inner = jax.tree.map(jax.device_put, inner, opt_sh.inner)
+    return compute, OffloadState(masters, inner)
+
+
+def _off_host(x):
+    sh = getattr(x, "sharding", None)
+    if getattr(sh, "memory_kind", None) == HOST:
+        return jax.device_put(x, sh.with_memory_kind("device"))
+    return x
+
+
 def state_shardings(tx: Offload, param_sh, replicated, shapes):
     """(params', opt_state's) shardings: the compute params like `param_sh`; masters and
     moments like them, in host memory; the optimizer's counts and hyper-parameters

@@ -246,6 +246,16 @@ def init_train_state(params, tx) -> TrainState:
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
 
+def place_train_state(params, tx, shardings: TrainState) -> TrainState:
+    """A fresh state on master `params`, placed in `shardings` (`train_state_shardings`);
+    offloaded, leaf by leaf, so the device never holds the whole optimizer state."""
+    if offload_lib.is_offload(tx):
+        return TrainState(jax.device_put(jnp.zeros((), jnp.int32), shardings.step),
+                          *offload_lib.place_state(params, tx, shardings.params,
+                                                   shardings.opt_state))
+    return jax.device_put(init_train_state(params, tx), shardings)
+
+
 def masters(state: TrainState):
     """The master weights of a state: its params, or offloaded its host copy's."""
     if isinstance(state.opt_state, offload_lib.OffloadState):
