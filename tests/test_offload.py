@@ -6,6 +6,7 @@ state (fake memory numbers, and Qwen2.5-7B's shapes on a 141 GB H200).
 On CPU the "pinned_host" memory kind exists (jax 0.10: CPU devices list it), so the arrays
 really carry it and the program really moves slices between the two spaces, but both are
 the same RAM: what these tests show is the math and the bookkeeping, not the saving."""
+import json
 import os
 
 import jax
@@ -224,3 +225,31 @@ def test_placed_state_is_the_initial_state_leaf_by_leaf():
         assert a.dtype == b.dtype == c.dtype and a.sharding == s == c.sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         np.testing.assert_array_equal(np.asarray(c), np.asarray(b))
+
+
+@pytest.mark.slow
+def test_loop_with_offload_on_equals_off_and_resumes(tmp_path):
+    """The whole loop (SFT, then GRPO) with optim.offload="on" learns what it learns with
+    "off" (fp32 compute: the same numbers to rounding), hands the SFT masters on to GRPO,
+    checkpoints the host-resident state and resumes from it."""
+    from lrl import loop
+    from tests.test_loop import tiny_config
+
+    def cfg(offload_, steps=2):
+        c = tiny_config()
+        c.sft.steps, c.rl.steps, c.eval.every = 2, steps, 0
+        c.optim.offload = offload_
+        return c
+
+    loop.run(cfg("off"), str(tmp_path / "off"))
+    loop.run(cfg("on"), str(tmp_path / "on"))
+    want = ck.restore_params(str(tmp_path / "off" / "checkpoints")).state
+    got = ck.restore_params(str(tmp_path / "on" / "checkpoints")).state
+    _close(got, want, rtol=1e-4, atol=1e-6)
+    rows = [json.loads(x) for x in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
+    out = loop.run(cfg("on", steps=3), str(tmp_path / "on"))   # resumes at GRPO step 2
+    assert np.isfinite(out["grpo"]["loss"])
+    steps = [json.loads(x)["step"] for x in (tmp_path / "on" / "metrics.jsonl").read_text()
+             .splitlines()]
+    assert steps[-1] == 5 and steps.count(5) == 1
