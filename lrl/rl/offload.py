@@ -13,7 +13,8 @@ compute-dtype weights every forward reads (update, log-probs, rollout), `opt_sta
 `OffloadState(masters, inner)` in host memory. The optimizer step (`finish`, in place of
 `optax` on the whole tree) is
 
-  1. the global-norm clip over all gradients, on the device (the only cross-parameter step);
+  1. the global norm over all gradients, on the device (the only cross-parameter step), for
+     the clip, applied to each block as it is updated;
   2. the element-wise rest (AdamW with its schedule, `inner`) once on the parameters outside
      the scanned layers, then in a `fori_loop` over the layers: layer l's masters and moments
      are moved to the device, updated, moved back into their host buffers in place, and its
@@ -255,13 +256,22 @@ def _to_host(x):
     return jax.device_put(x, jax.memory.Space.Host)
 
 
+def _clip_fn(g_norm, max_norm):
+    """`optax.clip_by_global_norm(max_norm)` as a function of one gradient block, the norm
+    taken over all of them: applied block by block, so no clipped copy of every gradient
+    (7B: 30 GB) exists at once. The same operations as optax's, so the same numbers."""
+    if not max_norm:
+        return lambda t: t
+    trigger = jnp.squeeze(g_norm < max_norm)
+    return lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)
+
+
 def finish(state, grads, tx: Offload):
     """The optimizer step of an offloaded state on gradients `grads` (on the device) ->
     (params, opt_state, grads' global norm, updates' global norm)."""
     grads = jax.tree.map(lambda g: g.astype(tx.master_dtype), grads)
     grad_norm = optax.global_norm(grads)
-    if tx.clip_norm:
-        grads, _ = optax.clip_by_global_norm(tx.clip_norm).update(grads, optax.EmptyState())
+    clip = _clip_fn(grad_norm, tx.clip_norm)
     masters, inner = state.opt_state
     in_layers, kinds = _kinds(tx, state.params)
     treedef, sdef = jax.tree.structure(state.params), jax.tree.structure(inner)
@@ -271,7 +281,8 @@ def finish(state, grads, tx: Offload):
     # The parameters outside the layers (embeddings, final norm, head), in one block; its
     # state's scalars (step counts, the injected learning rate) are the step's.
     pick = lambda xs, flags: [_empty(x) if f else _to_device(x) for x, f in zip(xs, flags)]  # noqa: E731
-    m_r, s_r, sq = _block(tx, treedef, sdef, [_empty(x) if f else x for x, f in zip(g, in_layers)],
+    m_r, s_r, sq = _block(tx, treedef, sdef,
+                          [_empty(x) if f else clip(x) for x, f in zip(g, in_layers)],
                           pick(m, in_layers), [x if k == "S" else _empty(x) if k == "L"
                                                else _to_device(x) for x, k in zip(s, kinds)],
                           in_layers, kinds)
@@ -285,7 +296,7 @@ def finish(state, grads, tx: Offload):
         take = lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # noqa: E731
         put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0)  # noqa: E731
         m_i, s_i, sq_i = _block(
-            tx, treedef, sdef, [take(x) if f else _empty(x) for x, f in zip(g, in_layers)],
+            tx, treedef, sdef, [clip(take(x)) if f else _empty(x) for x, f in zip(g, in_layers)],
             [_to_device(take(x)) if f else _empty(x) for x, f in zip(m, in_layers)],
             [x if k == "S" else _to_device(take(y)) if k == "L" else _empty(y)
              for x, y, k in zip(s, s_l, kinds)], in_layers, kinds)
