@@ -16,7 +16,7 @@ With bf16 masters and AdamW's b2=0.999 (configs/qwen2_5_math.py's) optax casts t
 b2 to bf16, where it is 1.0: the bias correction divides by zero and every update is NaN (on
 CPU as measured; the step time is still the step's).
 
-    python experiments/bench/offload.py --out /tmp/offload.json   # H200: 5 cases, < 7 min
+    python experiments/bench/offload.py --out /tmp/offload.json   # H200: 5 cases, <= 400 s
     python experiments/bench/offload.py --smoke                   # CPU, tiny shapes
 
 On CPU the offloaded case is forced (`optim.offload="auto"` never offloads there) and the
@@ -145,9 +145,11 @@ def main():
     ap.add_argument("--cases", default=CASES, help="size:mode, mode bf16 | fp32 | offload")
     ap.add_argument("--T", type=int, default=8192, help="tokens in a row")
     ap.add_argument("--M", type=int, default=2, help="micro-batches (rows) a step")
-    ap.add_argument("--repeats", type=int, default=3, help="timed steps after the first")
+    ap.add_argument("--repeats", type=int, default=2, help="timed steps after the first")
     ap.add_argument("--peak-tflops", type=float, default=791.0)
-    ap.add_argument("--budget-s", type=float, default=390, help="skip cases that would start later")
+    ap.add_argument("--budget-s", type=float, default=300, help="start no case after this")
+    ap.add_argument("--limit-s", type=float, default=400,
+                    help="the whole run's limit: a case still running then is stopped")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--child", default="")
     ap.add_argument("--out", default="")
@@ -176,7 +178,8 @@ def main():
         cmd = [sys.executable, __file__, "--child", case, "--T", str(a.T), "--M", str(a.M),
                "--repeats", str(a.repeats)]
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=left + 60)
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                                 timeout=max(1.0, a.limit_s - (time.time() - t_start)))
             recs = [json.loads(x[7:]) for x in out.stdout.splitlines() if x.startswith("RESULT ")]
             rec = recs[0] if recs else {
                 "size": case.split(":")[0], "mode": case.split(":")[1],
