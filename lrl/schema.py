@@ -85,7 +85,7 @@ class Model:
 
 @_frozen
 class Tokenizer:
-    """tokenizer: a local HF tokenizer dir, or "" to train one on the synthetic task"""
+    """a local HF tokenizer dir, or "" to train one on the synthetic task"""
     path: str = field("", 'a local HF tokenizer directory; "" = the model directory\'s with '
                           "model.hf_path, else one trained on the synthetic task's text")
     vocab_size: int = field(300, "vocabulary of a tokenizer trained here", ge=2)
@@ -93,7 +93,7 @@ class Tokenizer:
 
 @_frozen
 class Mesh:
-    """the device mesh: sizes per axis, -1 = all remaining devices"""
+    """the device mesh's sizes per axis; -1 = all remaining devices"""
     data: int = field(1, "data-parallel replicas", ge=-1)
     fsdp: int = field(-1, "devices that shard the parameters and optimizer state", ge=-1)
     seq: int = field(1, "devices one sequence is split over (ring / ulysses attention)", ge=-1)
@@ -122,7 +122,7 @@ class Distributed:
 
 @_frozen
 class Data:
-    """prompts"""
+    """the prompts: a synthetic task or local records"""
     source: str = field("synthetic", "synthetic | jsonl | parquet (video: synthetic | jsonl)")
     paths: str = field("", "comma-separated files or globs for jsonl/parquet")
     prompt_field: str = field("prompt", "the records' prompt field")
@@ -143,7 +143,7 @@ class Data:
 
 @_frozen
 class SFT:
-    """SFT (the warm start of a GRPO job, or the whole of an "sft" job)"""
+    """the warm start of a GRPO job, or the whole of an "sft" job"""
     steps: int = field(300, "0 = no warm start", ge=0)
     rows: int = field(8, "packed rows per step", ge=1)
     row_len: int = field(512, "tokens of a packed row", ge=2)
@@ -206,7 +206,7 @@ class Loss:
 
 @_frozen
 class RL:
-    """GRPO"""
+    """GRPO and its relatives: sampling, advantages, the update's batching and loss"""
     steps: int = field(80, "RL steps", ge=0)
     prompts_per_step: int = field(16, "P", ge=1)
     group_size: int = field(16, "G: a larger group sees more of a prompt's answers", ge=1)
@@ -261,7 +261,7 @@ class RL:
 
 @_frozen
 class Optim:
-    """optimizer (GRPO phase)"""
+    """the optimizer of the GRPO phase"""
     lr: float = field(1e-4, "peak learning rate (AdamW)", gt=0)
     warmup_steps: int = field(5, "steps of linear warm-up", ge=0)
     weight_decay: float = field(0.0, "AdamW's decoupled weight decay", ge=0)
@@ -272,7 +272,7 @@ class Optim:
 
 @_frozen
 class Critic:
-    """the critic (rl.estimator="gae": PPO; lrl/rl/critic.py, docs/ppo.md)"""
+    """PPO's critic, trained with rl.estimator="gae" (lrl/rl/critic.py, docs/ppo.md)"""
     hf_path: str = field("", '"": the policy\'s weights as this phase starts; else a HF '
                          "*ForTokenClassification (1 label) or *ForSequenceClassification "
                          "checkpoint (its score head)")
@@ -299,7 +299,7 @@ class RewardModel:
 
 @_frozen
 class Reward:
-    """rewards: [(registry name, weight), ...] scored in a worker pool"""
+    """[(registry name, weight), ...] scored in a worker pool"""
     spec: str = field("synthetic:1.0", '"name:weight,name:weight"')
     num_workers: int = field(2, "worker processes; 0 scores in the calling process", ge=0)
     timeout_s: float = field(10.0, "one scoring call's time limit (a timeout scores 0)", gt=0)
@@ -311,7 +311,7 @@ class Reward:
 
 @_frozen
 class Rollout:
-    """rollout engine, built once for the run: its pool, compiled programs and decode-layout
+    """the rollout engine, built once for the run: its pool, compiled programs and decode-layout
     weights are kept"""
     page_size: int = field(16, "tokens of one KV-cache page", ge=1)
     max_slots: int = field(128, "samples decoded at once", ge=1)
@@ -377,7 +377,7 @@ class Eval:
 
 @_frozen
 class Checkpoint:
-    """checkpoints (orbax, under <workdir>/checkpoints)"""
+    """saved by orbax under <workdir>/checkpoints; a restart resumes from the newest"""
     every_steps: int = field(20, "save every this many steps; 0 = not by steps", ge=0)
     every_minutes: float = field(0.0, "save when this long has passed since the last; 0 = not by "
                                  "time", ge=0)
@@ -386,7 +386,7 @@ class Checkpoint:
 
 @_frozen
 class Metrics:
-    """metrics (metrics.jsonl, samples.jsonl, TensorBoard, W&B)"""
+    """metrics.jsonl, samples.jsonl, TensorBoard, Weights & Biases"""
     tensorboard: bool = field(True, "write TensorBoard events")
     samples_per_step: int = field(2, "completions a step writes to samples.jsonl", ge=0)
     wandb_project: str = field("", "a Weights & Biases project: steps, config and output files "
