@@ -467,15 +467,16 @@ def nested(f) -> Optional[type]:
     return f.metadata.get("section")
 
 
-def walk(cls=Config, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
-    """("rl.loss.clip_low", its field), ...: every field and nested section, in order."""
-    for f in dataclasses.fields(cls):
+def walk(cls=None, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
+    """("rl.loss.clip_low", its field), ...: every field and nested section of `cls` (default:
+    the whole config), in declaration order."""
+    for f in dataclasses.fields(Config if cls is None else cls):
         yield prefix + f.name, f
         if nested(f) is not None:
             yield from walk(nested(f), f"{prefix}{f.name}.")
 
 
-def docs(cls=Config) -> dict:
+def docs(cls=None) -> dict:
     """{"rl.group_size": "G: ...", "rl.loss": "the policy loss", ...} in declaration order."""
     return {path: " ".join(f.metadata["doc"].split()) for path, f in walk(cls)}
 
