@@ -53,16 +53,11 @@ def help_text() -> str:
         rows.append(f"  configs/{os.path.basename(path):<22} {doc.splitlines()[0] if doc else ''}")
     from lrl import schema
     docs = schema.docs()
-    sections = [f"  {name:<13} {docs[name]}" for name in docs
-                if "." not in name and name in _section_names()]
+    sections = [f"  {f.name:<13} {docs[f.name]}" for f in schema.fields(schema.Config)
+                if schema.nested(f) is not None]
     return (USAGE + ("\nConfigs:\n" + "\n".join(rows) + "\n" if rows else "")
             + "\nConfig sections (lrl/schema.py; --print_config lists every field with its doc):\n"
             + "\n".join(sections) + "\n")
-
-
-def _section_names() -> set:
-    from lrl import schema
-    return {f.name for f in schema.fields(schema.Config) if schema.nested(f) is not None}
 
 
 def fail(message: str, code: int = 2):

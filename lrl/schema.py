@@ -31,8 +31,10 @@ def field(default, doc: str, *, ge=None, gt=None, lt=None, le=None, choices=None
     return dataclasses.field(default=default, metadata=meta)
 
 
-def section(cls, doc: str, **defaults):
-    """A nested section of class `cls`, with some of its defaults replaced."""
+def section(cls, doc: Optional[str] = None, **defaults):
+    """A nested section of class `cls`, with some of its defaults replaced; its doc is `doc`,
+    else the first paragraph of the class's docstring (the rest explains it at length)."""
+    doc = doc if doc is not None else (cls.__doc__ or "").split("\n\n")[0]
     return dataclasses.field(default_factory=lambda: cls(**defaults),
                              metadata=dict(doc=doc, section=cls))
 
@@ -43,7 +45,7 @@ def _copy(x):
 
 
 def _frozen(cls):
-    """A section: a frozen dataclass whose docstring's first line is its header."""
+    """A section: a frozen dataclass whose docstring's first paragraph is its header."""
     return dataclasses.dataclass(frozen=True)(cls)
 
 
@@ -272,7 +274,10 @@ class Optim:
 
 @_frozen
 class Critic:
-    """PPO's critic, trained with rl.estimator="gae" (lrl/rl/critic.py, docs/ppo.md)"""
+    """PPO's critic, trained with rl.estimator="gae" (lrl/rl/critic.py, docs/ppo.md)
+
+    The policy's decoder with a value head, on the same mesh and micro-batches, with its own
+    optimizer."""
     hf_path: str = field("", '"": the policy\'s weights as this phase starts; else a HF '
                          "*ForTokenClassification (1 label) or *ForSequenceClassification "
                          "checkpoint (its score head)")
@@ -311,8 +316,9 @@ class Reward:
 
 @_frozen
 class Rollout:
-    """the rollout engine, built once for the run: its pool, compiled programs and decode-layout
-    weights are kept"""
+    """the rollout engine: KV pages, slots, prefill; partial rollouts
+
+    Built once for the run: its pool, compiled programs and decode-layout weights are kept."""
     page_size: int = field(16, "tokens of one KV-cache page", ge=1)
     max_slots: int = field(128, "samples decoded at once", ge=1)
     pool_tokens: int = field(0, "KV pool in tokens; 0: from pool_fraction", ge=0)
@@ -359,8 +365,25 @@ class Rollout:
 
 @_frozen
 class Pipeline:
-    """one-step-off pipeline (lrl.pipeline): the rollout samples step t+1 on its own devices
-    while the others update on step t (docs/sampler-trainer.md)"""
+    """the one-step-off pipeline (lrl.pipeline): step t+1 sampled on split-off devices
+
+    verl's one_step_off_policy trainer: the devices split into two meshes, and the rollout of
+    step t+1 runs on the rollout devices while the training devices update on step t's batch.
+    Step t then trains on samples drawn with the weights of step t-1 (each sample's age is 1;
+    the first step of a run, whose batch nothing sampled ahead, samples synchronously, age 0);
+    the sampler's log-probs and the rollout correction (`rl.loss.tis_cap`, `mask_level`,
+    `staleness_decay`) apply to them as to any behaviour policy's. The new weights go to the
+    rollout devices device to device after each update.
+
+    `rollout_devices`: 0 (the default) runs every step on one mesh of every device, rollout and
+    update in turn; n >= 1 gives the last n devices to the rollout and shapes the rest with the
+    `mesh.*` sizes (so at least 2 devices; one GPU cannot split). `rollout_tensor`: the
+    rollout mesh's tensor-parallel size (0: all n; its other devices hold copies), which must
+    divide n and the training device count (the weights are gathered on the training devices
+    into the rollout's tensor slices, then copied). Single process, text task, without
+    `rollout.partial` (`options._check_pipeline`). A checkpoint saves the batch sampled ahead
+    (finished, scored) with the state, so a resume trains exactly what the run would have;
+    docs/sampler-trainer.md."""
     rollout_devices: int = field(0, "0 = off; n = the last n devices sample, the rest train "
                                  "(shaped by mesh.*, whose -1 counts only those)", ge=0)
     rollout_tensor: int = field(0, "the rollout mesh's tensor size; 0 = all n devices", ge=0)
@@ -437,23 +460,23 @@ class Config:
     compile_cache: str = field("auto", "compiled programs (and the update's memory-derived "
                                'budget) kept for the next start: "auto" = .lrl-cache beside the '
                                'workdir, or a folder; "" = off (lrl/compile_cache.py)')
-    model: Model = section(Model, Model.__doc__)
-    tokenizer: Tokenizer = section(Tokenizer, Tokenizer.__doc__)
-    mesh: Mesh = section(Mesh, Mesh.__doc__)
-    distributed: Distributed = section(Distributed, Distributed.__doc__)
-    data: Data = section(Data, Data.__doc__)
-    sft: SFT = section(SFT, SFT.__doc__)
-    rl: RL = section(RL, RL.__doc__)
-    optim: Optim = section(Optim, Optim.__doc__)
-    critic: Critic = section(Critic, Critic.__doc__)
-    reward: Reward = section(Reward, Reward.__doc__)
-    rollout: Rollout = section(Rollout, Rollout.__doc__)
-    pipeline: Pipeline = section(Pipeline, Pipeline.__doc__)
-    eval: Eval = section(Eval, Eval.__doc__)
-    checkpoint: Checkpoint = section(Checkpoint, Checkpoint.__doc__)
-    metrics: Metrics = section(Metrics, Metrics.__doc__)
+    model: Model = section(Model)
+    tokenizer: Tokenizer = section(Tokenizer)
+    mesh: Mesh = section(Mesh)
+    distributed: Distributed = section(Distributed)
+    data: Data = section(Data)
+    sft: SFT = section(SFT)
+    rl: RL = section(RL)
+    optim: Optim = section(Optim)
+    critic: Critic = section(Critic)
+    reward: Reward = section(Reward)
+    rollout: Rollout = section(Rollout)
+    pipeline: Pipeline = section(Pipeline)
+    eval: Eval = section(Eval)
+    checkpoint: Checkpoint = section(Checkpoint)
+    metrics: Metrics = section(Metrics)
     video: Optional[Video] = dataclasses.field(   # only with task="video"
-        default=None, metadata=dict(doc=Video.__doc__, section=Video))
+        default=None, metadata={**section(Video).metadata})
 
 
 # ----------------------------------------------------------------------------- reading
@@ -481,16 +504,16 @@ def docs(cls=None) -> dict:
     return {path: " ".join(f.metadata["doc"].split()) for path, f in walk(cls)}
 
 
-def config_dict(section=None):
-    """The defaults of `section` (a section instance or class; default: the whole config) as
-    a ConfigDict; a section left None (video) is left out."""
+def config_dict(values=None):
+    """The defaults of a section (an instance or a class; default: the whole config) as a
+    ConfigDict; a section left None (video) is left out."""
     import ml_collections
-    section = Config() if section is None else section
-    if isinstance(section, type):
-        section = section()
+    values = Config() if values is None else values
+    if isinstance(values, type):
+        values = values()
     out = {}
-    for f in dataclasses.fields(section):
-        v = getattr(section, f.name)
+    for f in dataclasses.fields(values):
+        v = getattr(values, f.name)
         if v is None and nested(f) is not None:
             continue
         out[f.name] = config_dict(v) if nested(f) is not None else _copy(v)
