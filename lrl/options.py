@@ -146,17 +146,17 @@ def from_config(config, check_files: bool = True) -> Options:
     """Typed options from a config; raises ValueError (FileNotFoundError for files) naming the
     key of the first value that would only break later."""
     top = dict(config.items())
-    known = {f.name for f in schema.fields(schema.Config)}
-    unknown = sorted(set(top) - known)
+    known = {f.name: f for f in schema.fields(schema.Config)}
+    unknown = sorted(set(top) - set(known))
     if unknown:
         raise ValueError(f"config: unknown top-level keys {unknown}; the keys are "
                          f"{sorted(known)}")
-    job, task = top.get("job"), top.get("task", "text")
+    job, task = top.get("job"), top.get("task", schema.Config.task)
     if job == "grpo_video":
         raise ValueError("job='grpo_video' is now job='grpo' with task='video' (see "
                          "configs/video_synthetic.py)")
-    schema.check_value("job", job, {"choices": JOBS})
-    schema.check_value("task", task, {"choices": TASKS})
+    schema.check_value("job", job, known["job"].metadata)
+    schema.check_value("task", task, known["task"].metadata)
     sections = {f.name: schema.read(schema.nested(f), top.get(f.name), f.name, _TYPED, _RENAMED)
                 for f in schema.fields(schema.Config)
                 if schema.nested(f) is not None and f.name not in ("distributed", "video")}
@@ -165,7 +165,9 @@ def from_config(config, check_files: bool = True) -> Options:
         sections["video"] = schema.read(schema.Video, video, "video")
     elif video is not None:
         raise ValueError("config has a 'video' section but task='text'; set task='video'")
-    from lrl import distributed   # the distributed section keeps its own defaults and checks
+    # `distributed` may leave out fields (its defaults: schema.Distributed) and stays a dict;
+    # lrl.distributed imports jax, so only here.
+    from lrl import distributed
     sections["rollout"] = _resolve_tail(sections["rollout"])
     opts = Options(job=job, task=task, seed=schema.coerce("seed", top["seed"], int),
                    distributed=distributed.settings(top.get("distributed", {})),
