@@ -569,12 +569,17 @@ def plain(x):
     return x
 
 
-def read(cls, section, prefix: str, typed: Mapping = {}, renamed: Mapping = {}):
+def read(cls, section, prefix: str, typed: Optional[Mapping] = None,
+         renamed: Optional[Mapping] = None):
     """`cls` (or its typed subclass in `typed`) from a config section: every field present, no
     key unknown, each value coerced to its type and checked against its bounds; nested
     sections read the same way. `renamed`: {"rl.old_key": "why"} for keys that moved."""
+    typed, renamed = typed or {}, renamed or {}
     if section is None:
         raise ValueError(f"config has no {prefix!r} section")
+    if not hasattr(section, "items"):
+        raise ValueError(f"{prefix}={section!r}: expected a section of fields "
+                         f"{[f.name for f in dataclasses.fields(cls)]}")
     given = dict(section.items())
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(given) - set(names))

@@ -70,6 +70,7 @@ def _config(**changes):
     ("rollout.page_sise", 16, r"config section 'rollout': unknown keys \['page_sise'\]"),
     ("rl.micro_batches", 4, r"rl.micro_batches: micro-batches are now cut by tokens"),
     ("model.tie_embeddings", 1, r"model.tie_embeddings=1: expected True or False"),
+    ("rl.loss", 0.2, r"rl.loss=0.2: expected a section of fields \['clip_low'"),
 ])
 def test_wrong_type_unknown_key_and_bound_name_the_culprit(key, value, match):
     with pytest.raises(ValueError, match=match):
