@@ -15,6 +15,8 @@ import sys
 
 from absl import flags
 
+from lrl import schema
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROG = "python -m lrl.main"
 _HELP_FLAGS = ("-h", "--help", "-help", "--helpshort", "-?")
@@ -51,7 +53,6 @@ def help_text() -> str:
         with open(path) as f:
             doc = ast.get_docstring(ast.parse(f.read())) or ""
         rows.append(f"  configs/{os.path.basename(path):<22} {doc.splitlines()[0] if doc else ''}")
-    from lrl import schema
     docs = schema.docs()
     sections = [f"  {f.name:<13} {docs[f.name]}" for f in schema.fields(schema.Config)
                 if schema.nested(f) is not None]
@@ -162,7 +163,6 @@ def _owner(field: str, docs: dict) -> str | None:
 def config_listing(config, spec: str) -> list[str]:
     """The resolved config, one `FIELD = VALUE  # doc` line per field in the schema's order
     (`lrl.schema`: each field's doc), under a header per section."""
-    from lrl import schema
     docs = schema.docs()
     sections = {path for path, f in schema.walk() if schema.nested(f) is not None}
     rank = {path: i for i, path in enumerate(docs)}
