@@ -380,15 +380,18 @@ class RewardPool:
         wanted = self._submitted if tickets is None else self._submitted & set(tickets)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
+            # Every poll moves the queue on: queued calls go to idle workers, answers are read.
             if self.num_workers == 0:
                 self._check_threads()
+            elif self._jobs:
+                self._pump(0.0)
             out = [(t, *self._done.pop(t)) for t in sorted(wanted & self._done.keys())]
             remaining = None if deadline is None else deadline - time.monotonic()
             if out or not wanted or (remaining is not None and remaining <= 0):
                 self._submitted -= {t for t, *_ in out}
                 return out
             if self.num_workers == 0:  # threads: look again in 5 ms
-                time.sleep(0.005 if remaining is None else max(0.0, min(remaining, 0.005)))
+                time.sleep(0.005 if remaining is None else min(remaining, 0.005))
             else:
                 self._pump(remaining)
 
