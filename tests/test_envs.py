@@ -444,3 +444,50 @@ def test_driver_close_cancels_running_steps(pool):
     driver.close()
     assert pool.n_restarts == restarts + 1 and pool.in_flight() == 0
     assert driver.results()[(0, 0)].end == "length"
+
+
+def test_observation_ids_with_the_embedded_tokenizer_match_a_full_render():
+    """A real byte-level BPE tokenizer and lrl's embedded ChatML template (which keeps every
+    turn as written, so its full render is a reference): the trajectory built turn by turn is
+    the tokenisation of the whole conversation."""
+    from lrl.data.synthetic import synthetic_corpus
+    from lrl.data.tokenizer import build_tokenizer
+    tok = build_tokenizer(synthetic_corpus(200), 300)
+    eos = tok.eos_token_id
+    convo = [{"role": "user", "content": "What is 12 * 34? Use the tool."}]
+    ids = tok.apply_chat_template(convo, tokenize=True, add_generation_prompt=True)
+    ids = list(getattr(ids, "input_ids", ids))
+    for turn, obs in [("<think>long</think>calc 12 * 34", "408"), ("So 408.", None)]:
+        ids += tok.encode(turn, add_special_tokens=False) + [eos]
+        convo.append({"role": "assistant", "content": turn})
+        if obs is not None:
+            ids += envs.observation_ids(tok, [{"role": "tool", "content": obs}], last_token=eos,
+                                        end_ids=[eos])
+            convo.append({"role": "tool", "content": obs})
+    full = tok.apply_chat_template(convo, tokenize=False)
+    assert ids == tok.encode(full.rstrip("\n"), add_special_tokens=False)
+
+
+def test_the_worked_example_guessing_game():
+    from experiments.plugins import guess_env
+    driver = envs.Driver("experiments.plugins.guess_env:Guess", [{"secret": 37}, {"seed": 3}],
+                         TOK, max_turns=5)
+    assert driver.first_observation(0).startswith("I am thinking of a whole number from 1 to 100")
+    tokens, _ = run_scheduler(driver, {(0, 0): ["<think>99?</think>50", "I'll say 25", "37"],
+                                       (0, 1): ["no idea", "37"]})
+    res = driver.results()
+    assert (res[(0, 0)].end, res[(0, 0)].turns, res[(0, 0)].reward) == ("done", 3, 0.9)
+    assert res[(0, 1)].reward == pytest.approx(0.95)
+    assert TOK.decode(tokens[(0, 0)]).count("<|im_start|>user\nlower<|im_end|>") == 1
+    # bisection finds any secret in at most 7 guesses
+    for row in guess_env.rows(20):
+        env = envs.make(guess_env.Guess)
+        env.reset(row)
+        lo, hi = 1, 100
+        for turn in range(7):
+            step = env.step(str((lo + hi) // 2), None)
+            if step.done:
+                break
+            lo, hi = ((lo + hi) // 2 + 1, hi) if step.observation == "higher" else \
+                (lo, (lo + hi) // 2 - 1)
+        assert step.done and step.reward == pytest.approx(1 - 0.05 * turn)
