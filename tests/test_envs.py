@@ -181,6 +181,10 @@ def test_tool_env_answers_calls_and_scores_the_final_answer():
     assert env.step("It is \\boxed{13}", None).reward == 0.0
     with pytest.raises(ValueError, match="answer"):
         env.reset({"question": "x"})
+    # without a reward spec the env only ends the trajectory: the run's reward scores it
+    plain = envs.make("tools")
+    plain.reset({"question": "x"})
+    assert plain.step("It is \\boxed{12}", None) == Step(None, 0.0, True)
 
 
 def test_registry_names_the_registered_environments():
