@@ -378,6 +378,8 @@ class RewardPool:
         `tickets`: only these (default: all); waits up to `timeout_s` (None: until one is
         ready) when none is, and returns [] at once when none of them is in flight."""
         wanted = self._submitted if tickets is None else self._submitted & set(tickets)
+        # (every submitted ticket is queued, running, in a thread or done: there is always
+        # something to wait for while `wanted` is not empty)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             # Every poll moves the queue on: queued calls go to idle workers, answers are read.
@@ -449,6 +451,8 @@ class RewardPool:
             if w.state == "idle" and self._queue:
                 self._send(w)
         waiting = [w for w in self._workers if w.state in ("starting", "busy")]
+        if not waiting:  # nothing to wait for (never block on no connection at all)
+            return
         limits = [t for t in (wait_s, self._wait_s(waiting)) if t is not None]
         ready = mp.connection.wait([w.conn for w in waiting],
                                    timeout=min(limits) if limits else None)
