@@ -495,3 +495,16 @@ def test_the_worked_example_guessing_game():
             lo, hi = ((lo + hi) // 2 + 1, hi) if step.observation == "higher" else \
                 (lo, (lo + hi) // 2 - 1)
         assert step.done and step.reward == pytest.approx(1 - 0.05 * turn)
+
+
+def test_tool_env_in_the_workers(pool):
+    row = {"answer": "440040051", "reward": "exact", "meta": {"extract": "boxed"}}
+    call = ('<tool_call>{"name": "calc", "arguments": {"expression": "48213 * 9127"}}'
+            '</tool_call>')
+    driver = envs.Driver("tools", [row], TOK, pool=pool, max_turns=3)
+    tokens, masks = run_scheduler(driver, {(0, 0): [call, "\\boxed{440040051}"],
+                                           (0, 1): [call, call, call]})
+    res = driver.results()
+    assert (res[(0, 0)].end, res[(0, 0)].reward, res[(0, 0)].tool_calls) == ("done", 1.0, 1)
+    assert (res[(0, 1)].end, res[(0, 1)].tool_calls, res[(0, 1)].reward) == ("max_turns", 3, 0)
+    assert "<tool_response>\n440040051\n</tool_response>" in TOK.decode(tokens[(0, 0)])
