@@ -362,6 +362,10 @@ def test_driver_ends_max_turns_room_cut_and_error_with_counts():
     assert driver.metrics()["env/errors"] == 2
     with pytest.raises(RuntimeError, match="nothing will ever be ready"):
         driver.ready(block=True)
+    with pytest.raises(TypeError, match="pool must be a lrl.rewards.RewardPool"):
+        envs.Driver("test_countdown", [{}], TOK, pool=object())
+    with pytest.raises(ValueError, match="failed to reset on row 0"):
+        envs.Driver("tools", [{"question": "no answer"}], TOK, env_kwargs={"reward": "math"})
     with pytest.raises(RuntimeError, match="which has error"):
         driver.turn_ended((0, 1), np.array([5]), 10, False)
 

@@ -103,6 +103,9 @@ class Driver:
             raise ValueError(f"Driver: max_turns must be >= 1, got {max_turns}")
         if on_room not in ON_ROOM:
             raise ValueError(f"Driver: on_room must be one of {ON_ROOM}, got {on_room!r}")
+        if pool is not None and not all(hasattr(pool, a) for a in ("submit", "poll", "cancel")):
+            raise TypeError(f"Driver: pool must be a lrl.rewards.RewardPool (submit / poll / "
+                            f"cancel), got {type(pool).__name__}")
         if not 0.0 < discount <= 1.0:
             raise ValueError(f"Driver: discount must be in (0, 1], got {discount}")
         self.tokenizer, self.template, self.pool = tokenizer, template, pool
