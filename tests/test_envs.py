@@ -439,6 +439,10 @@ def test_driver_in_workers_counts_errors_and_hangs_and_the_pool_recovers(pool):
     bad = envs.Driver("test_countdown", [{}], TOK, pool=pool, env_kwargs={"bad": True})
     run_scheduler(bad, {(0, 0): ["a"]})
     assert bad.results()[(0, 0)].error == "step returned a dict, not a Step"
+    from lrl.envs.driver import _check_step
+    assert "unreadable" in _check_step(Step(reward="x"))
+    assert "reward nan" in _check_step(Step(reward=float("nan")))
+    assert "unreadable" in _check_step(Step(info=[1]))
 
 
 def test_driver_close_cancels_running_steps(pool):

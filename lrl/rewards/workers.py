@@ -207,8 +207,9 @@ class WorkerQueue:
             raise ValueError(f"submit: {fn!r} is not callable")
         ticket = self._enqueue(("call", fn, tuple(args)), limit)
         self._submitted.add(ticket)
-        if self.num_workers == 0:
+        if self.num_workers == 0:  # a thread instead of the queue
             self._queue.remove(ticket)
+            del self._jobs[ticket]
             box: list = []
             thread = threading.Thread(target=lambda: box.append(_run_job((), "call", (fn, args))),
                                       daemon=True, name="lrl-reward-call")
