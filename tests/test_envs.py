@@ -516,3 +516,12 @@ def test_tool_env_in_the_workers(pool):
     assert (res[(0, 0)].end, res[(0, 0)].reward, res[(0, 0)].tool_calls) == ("done", 1.0, 1)
     assert (res[(0, 1)].end, res[(0, 1)].tool_calls, res[(0, 1)].reward) == ("max_turns", 3, 0)
     assert "<tool_response>\n440040051\n</tool_response>" in TOK.decode(tokens[(0, 0)])
+
+
+def test_loading_a_calls_module_in_the_worker_does_not_count_against_its_limit(pool):
+    from tests import slow_import_helper
+    ticket = pool.submit(slow_import_helper.double, 21, timeout_s=0.5)
+    out = []
+    while not out:
+        out = pool.poll(None, [ticket])
+    assert out == [(ticket, "ok", 42)]

@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import multiprocessing as mp
 import multiprocessing.connection
+import pickle
 import signal
 import threading
 import time
@@ -34,7 +35,9 @@ _BUILTIN_MODULES = ("lrl.rewards.registry", "lrl.rewards.math", "lrl.rewards.mat
 
 def _worker_main(conn, terms: tuple[Term, ...]) -> None:
     """Worker loop: resolve the rewards once, then answer one job per message:
-    (ticket, "score", completion, answer, meta) or (ticket, "call", fn, args)."""
+    (ticket, "score", completion, answer, meta), or (ticket, "call", pickled (fn, args)),
+    which is acknowledged with (ticket, "started", None) once unpickled: importing the
+    function's module does not count against the call's time limit."""
     # Ctrl-C reaches the whole process group; the parent decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -51,7 +54,19 @@ def _worker_main(conn, terms: tuple[Term, ...]) -> None:
             return
         if msg is None:
             return
-        status, payload = _run_job(terms, msg[1], msg[2:])
+        body = msg[2:]
+        if msg[1] == "call":
+            try:
+                body = pickle.loads(msg[2])
+            except Exception as e:  # noqa: BLE001 - e.g. its module does not import here
+                body = None
+                status, payload = "error", f"cannot load the call: {type(e).__name__}: {e}"
+            try:
+                conn.send((msg[0], "started", None))
+            except OSError:
+                return
+        if body is not None:
+            status, payload = _run_job(terms, msg[1], body)
         try:
             conn.send((msg[0], status, payload))
         except OSError:  # the parent is gone
@@ -92,9 +107,10 @@ class _Worker:
     process: mp.process.BaseProcess
     conn: mp.connection.Connection
     state: str  # "starting" | "idle" | "busy"
-    since: float  # when it started starting, or started its current call
+    since: float  # when it started starting, or was sent / started its current job
     ticket: int = -1  # its current job
     timeout_s: float | None = None  # that job's limit
+    loading: bool = False  # its call is sent, not yet started (the worker imports its module)
 
 
 @dataclasses.dataclass
@@ -312,6 +328,8 @@ class WorkerQueue:
             elif msg is None:  # the worker died mid-call (segfault, os._exit, OOM kill)
                 self._finish(w.ticket, "error", f"worker died, {_exit_status(w.process)}")
                 self._replace(w)
+            elif msg[1] == "started":  # loaded: its time limit starts now
+                w.loading, w.since = False, time.monotonic()
             else:
                 self._finish(w.ticket, msg[1], msg[2])
                 w.state = "idle"
@@ -320,8 +338,11 @@ class WorkerQueue:
     def _send(self, w: _Worker) -> None:
         ticket = self._queue.popleft()
         job = self._jobs[ticket]
+        message = job.message
         try:
-            w.conn.send((ticket, *job.message))
+            if message[0] == "call":  # pickled here, so that the worker can time its loading
+                message = ("call", pickle.dumps(message[1:]))
+            w.conn.send((ticket, *message))
         except (OSError, EOFError):  # it died while idle: not the job's fault, so retry it
             self._queue.appendleft(ticket)
             self._replace(w)
@@ -330,20 +351,27 @@ class WorkerQueue:
             self._finish(ticket, "error", f"cannot send it to a worker: {type(e).__name__}: {e}")
             return
         w.state, w.since, w.ticket, w.timeout_s = "busy", time.monotonic(), ticket, job.timeout_s
+        w.loading = message[0] == "call"
 
     def _wait_s(self, waiting: list[_Worker]) -> float | None:
         """Seconds until the nearest call or start-up deadline; None if there is none."""
         deadlines = [w.since + self.start_timeout_s for w in waiting if w.state == "starting"]
-        deadlines += [w.since + w.timeout_s for w in waiting
-                      if w.state == "busy" and w.timeout_s is not None]
+        deadlines += [w.since + self._limit(w) for w in waiting
+                      if w.state == "busy" and self._limit(w) is not None]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _limit(self, w: _Worker) -> float | None:
+        """The busy worker's current limit: its job's, or start-up's while it loads a call."""
+        return self.start_timeout_s if w.loading else w.timeout_s
 
     def _expire(self) -> None:
         """Times out overrunning calls (their workers are replaced) and stuck start-ups."""
         now = time.monotonic()
         for w in list(self._workers):
-            if w.state == "busy" and w.timeout_s is not None and now - w.since > w.timeout_s:
-                self._finish(w.ticket, "timeout", f"call exceeded {w.timeout_s}s; worker replaced")
+            limit = self._limit(w) if w.state == "busy" else None
+            if limit is not None and now - w.since > limit:
+                what = "loading the call" if w.loading else "call"
+                self._finish(w.ticket, "timeout", f"{what} exceeded {limit}s; worker replaced")
                 self._replace(w)
             elif w.state == "starting" and now - w.since > self.start_timeout_s:
                 self.close()
