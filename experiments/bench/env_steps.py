@@ -31,8 +31,8 @@ def run(driver, tok, n_steps: int, in_flight: int) -> dict:
     t0 = time.perf_counter()
     while done < n_steps:
         while len(started) < in_flight and key < n_steps:
-            driver.turn_ended((0, key), turn, 10_000, False)
             started[(0, key)] = time.perf_counter()
+            driver.turn_ended((0, key), turn, 10_000, False)
             key += 1
         for k, ids in driver.ready(block=True):
             assert ids is not None and len(ids) > 0
