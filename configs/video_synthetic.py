@@ -27,7 +27,7 @@ rewards rise only with a pretrained `model.hf_path`.
 """
 import ml_collections
 
-from lrl import config_util
+from lrl import config_util, schema
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -54,26 +54,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                   eval_size=16)        # held-out videos (another seed)
 
     # --- the video task's own section: frames and the vision tower --------------------------
-    c.video = ml_collections.ConfigDict()
-    c.video.frames_in_file = 8       # synthetic videos: frames written per video
-    c.video.frame = 112              # synthetic videos: square frame side in pixels
-    c.video.num_frames = 4           # frames sampled per video (2 per temporal patch)
-    c.video.min_tokens_per_frame = 4   # merged 28x28 tokens a frame may resize to
-    c.video.max_tokens_per_frame = 16
-    c.video.cache_dir = ""           # "" = in-memory embedding cache; a path = on disk too
-    c.video.cache_gib = 4.0          # device memory the in-memory cache holds at most (least
-                                     # recently used dropped; 0 = none kept, the disk's only)
-    c.video.frame_axes = ""          # mesh axes the vision tower splits frames over; "" = all
-    c.video.mrope_section = (2, 3, 3)  # (t, h, w) frequency sections, summing to head_dim / 2
-    c.video.vision_depth = 2         # the random vision tower (a checkpoint brings its own)
-    c.video.vision_width = 32
-    c.video.vision_heads = 2
-    c.video.vision_mlp_dim = 64
-    c.video.video_field = "video"    # video-QA jsonl fields (configs/video_qa.py)
-    c.video.choices_field = "choices"
-    c.video.video_root = ""
-    c.video.instruction = "Answer with \\boxed{...}."
-    c.video.choice_instruction = "Answer with the option's letter in \\boxed{}."
+    c.video = schema.config_dict(schema.Video)   # its defaults: lrl/schema.py's Video
 
     # --- GRPO -------------------------------------------------------------------------------
     c.rl.update(steps=20, prompts_per_step=8, group_size=8, max_new_tokens=16,

@@ -1,5 +1,5 @@
 """The command line of `python -m lrl.main`: `--help` (exit 0), `--print_config` (the resolved
-config, every field with the comment its config file gives it), and parse errors in one line
+config, every field with its doc from `lrl.schema`), and parse errors in one line
 (a misspelt config field names the closest existing one) rather than a traceback.
 
 Nothing here imports jax, so `--help` and `--print_config` answer at once.
@@ -9,13 +9,13 @@ from __future__ import annotations
 import ast
 import difflib
 import glob
-import io
 import os
 import re
 import sys
-import tokenize
 
 from absl import flags
+
+from lrl import schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROG = "python -m lrl.main"
@@ -32,7 +32,7 @@ Runs one lrl experiment:
                         and plots go; the same command on the same DIR resumes the run
   --config.FIELD=VALUE  override any field of the config, e.g. --config.rl.steps=20
   --print_config        print the resolved config (overrides applied), every field with its
-                        comment, and exit: the list of FIELDs there are
+                        doc, and exit: the list of FIELDs there are
   --verbosity=0         show libraries' INFO logs too (orbax, jax, grain); without the flag
                         the console shows lrl's progress, warnings and errors only
   --helpfull            every flag, absl's included
@@ -53,7 +53,12 @@ def help_text() -> str:
         with open(path) as f:
             doc = ast.get_docstring(ast.parse(f.read())) or ""
         rows.append(f"  configs/{os.path.basename(path):<22} {doc.splitlines()[0] if doc else ''}")
-    return USAGE + ("\nConfigs:\n" + "\n".join(rows) + "\n" if rows else "")
+    docs = schema.docs()
+    sections = [f"  {f.name:<13} {docs[f.name]}" for f in schema.fields(schema.Config)
+                if schema.nested(f) is not None]
+    return (USAGE + ("\nConfigs:\n" + "\n".join(rows) + "\n" if rows else "")
+            + "\nConfig sections (lrl/schema.py; --print_config lists every field with its doc):\n"
+            + "\n".join(sections) + "\n")
 
 
 def fail(message: str, code: int = 2):
@@ -147,113 +152,42 @@ def unknown_field_message(argv: list[str]) -> str | None:
 
 # ----------------------------------------------------------------------------- --print_config
 
-def _source_docs(path: str, order: list, docs: dict, sections: dict) -> None:
-    """Adds one config file's field paths (in source order), the comment on each field's line
-    (with comment-only continuation lines under it) and each section's header comment."""
-    with open(path) as f:
-        src = f.read()
-    lines = src.splitlines()
-    comments = {t.start[0]: (t.start[1], t.string.lstrip("#").strip())
-                for t in tokenize.generate_tokens(io.StringIO(src).readline)
-                if t.type == tokenize.COMMENT}
-
-    def alone(n):
-        return lines[n - 1].lstrip().startswith("#")
-
-    def comment_on(n):
-        if n not in comments or alone(n):
-            return None
-        col, text = comments[n]
-        parts, k = [text], n + 1
-        while k in comments and alone(k) and comments[k][0] == col:
-            parts.append(comments[k][1])
-            k += 1
-        return " ".join(parts)
-
-    def add(field, line):
-        if field not in order:
-            order.append(field)
-        text = comment_on(line)
-        if text and field not in docs:
-            docs[field] = text
-
-    def chain(node):
-        names = []
-        while isinstance(node, ast.Attribute):
-            names.append(node.attr)
-            node = node.value
-        return ".".join(reversed(names)) if isinstance(node, ast.Name) and names else None
-
-    def dict_call(node):
-        """The `dict(...)` of `dict(...)` or `ConfigDict(dict(...))`, else None."""
-        if not isinstance(node, ast.Call):
-            return None
-        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(
-            node.func, "id", "")
-        if name == "dict":
-            return node
-        if name == "ConfigDict" and node.args:
-            return dict_call(node.args[0])
-        return None
-
-    def keywords(prefix, call):
-        for kw in call.keywords:
-            if kw.arg is None:
-                continue
-            field = f"{prefix}.{kw.arg}"
-            add(field, kw.value.lineno if kw.value.lineno in comments else kw.value.end_lineno)
-            inner = dict_call(kw.value)
-            if inner is not None:
-                keywords(field, inner)
-
-    for node in ast.walk(ast.parse(src)):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            field = chain(node.targets[0])
-            if field is None:
-                continue
-            add(field, node.lineno)
-            if "." not in field and node.lineno > 1 and alone(node.lineno - 1):
-                sections.setdefault(field, comments[node.lineno - 1][1].strip("- "))
-            inner = dict_call(node.value)
-            if inner is not None:
-                keywords(field, inner)
-        elif (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
-              and isinstance(node.value.func, ast.Attribute)
-              and node.value.func.attr == "update"):
-            field = chain(node.value.func.value)
-            if field is not None:
-                keywords(field, node.value)
+def _owner(field: str, docs: dict) -> str | None:
+    """The schema path that documents `field`: itself, or the dict field it is under
+    (data.task_kwargs.arithmetic.num_terms -> data.task_kwargs)."""
+    while field and field not in docs:
+        field = field.rpartition(".")[0]
+    return field or None
 
 
 def config_listing(config, spec: str) -> list[str]:
-    """The resolved config, one `FIELD = VALUE  # comment` line per field, in the order of
-    configs/default.py (which the others build on), then the config file's own fields."""
-    path = spec.partition(":")[0]
-    order, docs, sections = [], {}, {}
-    # default.py's layout (the others build on it), each file's own comments first.
-    for p in (os.path.join(ROOT, "configs", "default.py"), path):
-        if os.path.isfile(p):
-            mine = {}
-            _source_docs(p, order, mine, sections)
-            docs.update(mine)
+    """The resolved config, one `FIELD = VALUE  # doc` line per field in the schema's order
+    (`lrl.schema`: each field's doc), under a header per section."""
+    docs = schema.docs()
+    sections = {path for path, f in schema.walk() if schema.nested(f) is not None}
+    rank = {path: i for i, path in enumerate(docs)}
     fields = flat_fields(config)
-    rank = {f: i for i, f in enumerate(order)}
-    top = {}
-    for f in order:
-        top.setdefault(f.split(".")[0], len(top))
-    keyed = sorted(fields, key=lambda f: (top.get(f.split(".")[0], len(top)),
-                                          rank.get(f, len(rank)), f))
+    order = {f: i for i, f in enumerate(fields)}
+
+    def key(f):
+        owner = _owner(f, docs)
+        return (rank[owner] if owner else len(rank), order[f])
+
     out = [f"# {spec}, resolved with the overrides given. Each line can be given as "
            f"--config.FIELD=VALUE."]
-    section = None
-    for f in keyed:
-        head = f.split(".")[0]
-        if head != section and "." in f:
+    section, documented = None, set()
+    for f in sorted(fields, key=key):
+        head = f.rpartition(".")[0]
+        while head and head not in sections:   # a dict field's entries stay in its section
+            head = head.rpartition(".")[0]
+        if head and head != section:
             section = head
-            out.append(f"\n# --- {sections.get(head, head)}")
+            out.append(f"\n# --- {head}: {docs[head]}")
         line = f"{f} = {fields[f]!r}"
-        if f in docs:
-            line = f"{line:<44} # {docs[f]}"
+        owner = _owner(f, docs)
+        if owner and owner not in documented and docs[owner]:
+            documented.add(owner)
+            line = f"{line:<44} # {docs[owner]}"
         out.append(line)
     return out
 

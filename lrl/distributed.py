@@ -35,42 +35,28 @@ from typing import Callable, Mapping
 import jax
 import numpy as np
 
+from lrl import schema
+
 log = logging.getLogger(__name__)
 
-# Every field of `config.distributed`, with its default. Configs may leave out any but
-# `enabled`; an unknown field is an error naming it.
-DEFAULTS: Mapping[str, object] = dict(
-    enabled=False,              # start jax.distributed (multi-process runs)
-    coordinator_address="",     # "host:port" of process 0; "" = detect (SLURM, MPI, TPU, env)
-    num_processes=-1,           # -1 = detect
-    process_id=-1,              # -1 = detect
-    local_device_ids="",        # "0,1,2,3": GPUs this process drives; "" = JAX's choice
-    initialization_timeout_s=300,  # wait this long for every process to connect
-    heartbeat_timeout_s=100,    # a peer silent this long is declared dead; the others stop
-    shutdown_timeout_s=300,     # wait this long for the peers at exit
-    cpu_collectives="gloo",     # cross-process collectives on CPU: gloo | mpi | none
-    watchdog_s=0.0,             # > 0: exit if no step finishes for this long (hung peers)
-)
+# Every field of `config.distributed`, with its default (declared in `lrl.schema.Distributed`).
+# Configs may leave out any but `enabled`; an unknown field is an error naming it.
+DEFAULTS: Mapping[str, object] = {f.name: f.default for f in schema.fields(schema.Distributed)}
 WATCHDOG_EXIT_CODE = 75      # EX_TEMPFAIL: the job may be restarted from its last checkpoint
 FAILED_EXIT_CODE = 1
 
 
 def settings(cfg) -> dict:
-    """The config's distributed fields over `DEFAULTS`; unknown keys fail with their name."""
+    """The config's distributed fields over `DEFAULTS`; unknown keys and values out of their
+    bounds (`lrl.schema.Distributed`) fail with their name."""
     given = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
     unknown = sorted(set(given) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"config.distributed: unknown field(s) {unknown}; the fields are "
                          f"{sorted(DEFAULTS)}")
     out = {**DEFAULTS, **given}
-    if out["cpu_collectives"] not in ("gloo", "mpi", "none"):
-        raise ValueError(f"config.distributed.cpu_collectives={out['cpu_collectives']!r}; "
-                         "choose gloo, mpi or none")
-    for k in ("initialization_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s"):
-        if int(out[k]) < 1:
-            raise ValueError(f"config.distributed.{k}={out[k]!r} must be >= 1 second")
-    if float(out["watchdog_s"]) < 0:
-        raise ValueError(f"config.distributed.watchdog_s={out['watchdog_s']!r} must be >= 0")
+    for f in schema.fields(schema.Distributed):
+        schema.check_value(f"config.distributed.{f.name}", out[f.name], f.metadata)
     return out
 
 

@@ -1,13 +1,15 @@
-"""The experiment's options as typed, frozen dataclasses, built and checked once from the
-(locked) ml_collections config at start-up. Below the loop nothing reads a ConfigDict: the
-loop passes these objects down.
+"""The experiment's options: the config read once at start-up into the schema's typed, frozen
+sections (`lrl.schema`, where every field's default, type, bound and doc is declared), checked
+across fields, with the step policy that follows from them. Below the loop nothing reads a
+ConfigDict: the loop passes these objects down.
 
-Every field is checked as it is read, and an error names the config key (`rl.minibatches`,
-not `minibatches`) and says what it must be; cross-field rules and the files a run reads
-(data, tokenizer, model directory) are checked here too, before any compile or training.
+Every field is checked as it is read (`schema.read`), and an error names the config key
+(`rl.minibatches`, not `minibatches`) and says what it must be; the rules that tie fields
+together and the files a run reads (data, tokenizer, model directory) are checked here, before
+any compile or training.
 
     opts = options.from_config(config)
-    opts.rl.group_size, opts.rl.loss.clip_high, opts.rollout.page_size, ...
+    opts.rl.group_size, opts.rl.loss.clip_high, opts.rollout.page_size, opts.rl.old_logp, ...
 
 One schema for every job and task: a text config (configs/default.py) has every section but
 `video`; a video config (configs/video_synthetic.py) builds on it, sets `task="video"` and adds
@@ -18,200 +20,54 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
-import typing
-from typing import Mapping, Optional
+from typing import Optional
 
-JOBS = ("grpo", "sft")
-TASKS = ("text", "video")
-DTYPES = ("float32", "bfloat16", "float16")
+from lrl import schema
+from lrl.schema import DTYPES, JOBS, OVERLONG, SHARED_PROMPT, TASKS  # noqa: F401 (re-exported)
+
 SOURCES = {"text": ("synthetic", "jsonl", "parquet"), "video": ("synthetic", "jsonl")}
 TEXT_TASKS = ("arithmetic", "kv_retrieval")
 VIDEO_TASKS = ("direction", "count")
-OVERLONG = ("none", "mask", "penalty")
 TOKEN_ESTIMATORS = ("gae",)   # token-level estimators that read a critic's values (PPO)
-SHARED_PROMPT = ("off", "on", "auto")   # lrl.data.shared_prompt.MODES (no jax imported here)
-
-
-def _opt(*, ge=None, gt=None, lt=None, le=None, choices=None):
-    """A field read from the config, with the bounds or choices it must respect."""
-    return dataclasses.field(metadata=dict(ge=ge, gt=gt, lt=lt, le=le, choices=choices))
-
-
-def _check_value(key: str, value, meta: Mapping) -> None:
-    bounds = (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
-              ("lt", lambda v, b: v < b, "<"), ("le", lambda v, b: v <= b, "<="))
-    for name, ok, sign in bounds:
-        b = meta.get(name)
-        if b is not None and not ok(value, b):
-            raise ValueError(f"{key}={value!r}: must be {sign} {b}")
-    choices = meta.get("choices")
-    if choices is not None and value not in choices:
-        raise ValueError(f"{key}={value!r}; choose one of {tuple(choices)}")
-
-
-def _coerce(key: str, value, kind):
-    """The config value as the field's type; bools are not numbers here."""
-    origin = typing.get_origin(kind)
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{key}={value!r}: expected a number")
-        return float(value)
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{key}={value!r}: expected an integer")
-        return value
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{key}={value!r}: expected True or False")
-        return value
-    if kind is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{key}={value!r}: expected a string")
-        return value
-    if origin is tuple:
-        if not isinstance(value, (tuple, list)):
-            raise ValueError(f"{key}={value!r}: expected a tuple")
-        return tuple(value)
-    if kind is dict or origin is dict:
-        return _plain(value)
-    return value
-
-
-def _plain(x):
-    if hasattr(x, "to_dict"):
-        x = x.to_dict()
-    if isinstance(x, Mapping):
-        return {k: _plain(v) for k, v in x.items()}
-    return x
-
 
 _RENAMED = {
     "rl.micro_batches": "micro-batches are now cut by tokens, not counted: set "
                         "rl.max_tokens_per_micro (0 = from device memory) instead",
 }
 
+# ----------------------------------------------------------------------------- the typed sections
+# The schema's sections as the run reads them; those with a policy derived from their fields
+# carry it here.
 
-def _read(cls, section, prefix: str, **nested):
-    """`cls` from a config section: every field present, no key unknown, each checked."""
-    if section is None:
-        raise ValueError(f"config has no {prefix!r} section")
-    given = dict(section.items())
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(given) - set(names))
-    missing = sorted(set(names) - set(given) - set(nested))
-    renamed = {k: _RENAMED[f"{prefix}.{k}"] for k in unknown if f"{prefix}.{k}" in _RENAMED}
-    if renamed:
-        raise ValueError("; ".join(f"{prefix}.{k}: {why}" for k, why in renamed.items()))
-    if unknown or missing:
-        raise ValueError(f"config section {prefix!r}: unknown keys {unknown} / missing keys "
-                         f"{missing}; its keys are {names}")
-    values = {}
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}.{f.name}"
-        if f.name in nested:
-            values[f.name] = nested[f.name]
-            continue
-        v = _coerce(key, given[f.name], hints[f.name])
-        _check_value(key, v, f.metadata)
-        values[f.name] = v
-    return cls(**values)
+TokenizerOptions = schema.Tokenizer
+DataOptions = schema.Data
+SFTOptions = schema.SFT
+KLControlOptions = schema.KLControl
+OptimOptions = schema.Optim
+CriticOptions = schema.Critic
+RewardModelOptions = schema.RewardModel
+RewardOptions = schema.Reward
+RolloutOptions = schema.Rollout
+EvalOptions = schema.Eval
+CheckpointOptions = schema.Checkpoint
+MetricsOptions = schema.Metrics
+PipelineOptions = schema.Pipeline
+VideoOptions = schema.Video
 
 
-# ----------------------------------------------------------------------------- sections
-
-@dataclasses.dataclass(frozen=True)
-class ModelOptions:
-    hf_path: str
-    model_type: str = _opt(choices=("llama", "qwen2", "qwen3"))
-    d_model: int = _opt(ge=1)
-    n_layers: int = _opt(ge=1)
-    n_heads: int = _opt(ge=1)
-    n_kv_heads: int = _opt(ge=1)
-    head_dim: int = _opt(ge=2)
-    mlp_dim: int = _opt(ge=1)
-    vocab_size: int = _opt(ge=0)         # 0: the tokenizer's
-    rope_theta: float = _opt(gt=0)
-    tie_embeddings: bool = _opt()
-    param_dtype: str = _opt(choices=DTYPES)
-    dtype: str = _opt(choices=DTYPES)
-    attention: str = _opt(choices=("dense", "ring", "ulysses"))
-    attention_impl: str = _opt(choices=("", "xla", "cudnn"))
-    remat: str = _opt(choices=("none", "full", "dots", "dots_no_batch", "dots_attn",
-                               "save_attn", "offload_attn"))
-    param_shard_axes: str = _opt()
-
+class ModelOptions(schema.Model):
     @property
     def shard_axes(self) -> tuple[str, ...]:
         """param_shard_axes, "fsdp" or "fsdp,seq" -> ("fsdp",) or ("fsdp", "seq")."""
         return tuple(a.strip() for a in self.param_shard_axes.split(",") if a.strip())
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenizerOptions:
-    path: str
-    vocab_size: int = _opt(ge=2)
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshOptions:
-    data: int = _opt(ge=-1)
-    fsdp: int = _opt(ge=-1)
-    seq: int = _opt(ge=-1)
-    tensor: int = _opt(ge=-1)
-
+class MeshOptions(schema.Mesh):
     def sizes(self) -> dict:
         return dataclasses.asdict(self)
 
 
-@dataclasses.dataclass(frozen=True)
-class DataOptions:
-    source: str
-    paths: str
-    prompt_field: str
-    answer_field: str
-    messages_field: str
-    system_prompt: str
-    task: str
-    task_kwargs: dict
-    size: int = _opt(ge=1)
-    eval_size: int = _opt(ge=0)
-    eval_paths: str = _opt()
-    max_prompt_len: int = _opt(ge=1)
-
-
-@dataclasses.dataclass(frozen=True)
-class SFTOptions:
-    steps: int = _opt(ge=0)
-    rows: int = _opt(ge=1)
-    row_len: int = _opt(ge=2)
-    answer_noise: float = _opt(ge=0, le=1)
-    lr: float = _opt(gt=0)
-    warmup_steps: int = _opt(ge=0)
-    paths: str = _opt()
-    response_field: str = _opt()
-
-
-@dataclasses.dataclass(frozen=True)
-class LossOptions:
-    clip_low: float = _opt(ge=0, lt=1)
-    clip_high: float = _opt(ge=0)
-    dual_clip: float = _opt(ge=0)        # 0 = off, else > 1 (checked below)
-    ratio_level: str = _opt(choices=("token", "sequence"))
-    aggregation: str = _opt(choices=("token_mean", "seq_mean_token_mean",
-                                     "seq_mean_token_sum_norm"))
-    kl_coef: float = _opt(ge=0)
-    kl_estimator: str = _opt(choices=("k1", "k2", "k3"))
-    entropy_coef: float = _opt()
-    tis_cap: float = _opt(ge=0)          # 0 = off
-    tis_level: str = _opt(choices=("token", "sequence", "geometric"))
-    mask_level: str = _opt(choices=("none", "token", "sequence", "geometric"))
-    mask_low: float = _opt(gt=0, le=1)
-    mask_high: float = _opt(ge=1)
-    staleness_decay: float = _opt(gt=0, le=1)
-    max_staleness: int = _opt(ge=-1)     # -1 = no bound
-    policy_loss: str = _opt()            # a registered name or "pkg.module:fn" (lrl.rl.registry)
-
+class LossOptions(schema.Loss):
     @property
     def corrects_rollout(self) -> bool:
         """A term of the loss compares the trainer's old log-probs with the sampler's."""
@@ -222,36 +78,7 @@ class LossOptions:
         return self.staleness_decay != 1.0 or self.max_staleness >= 0
 
 
-@dataclasses.dataclass(frozen=True)
-class RLOptions:
-    steps: int = _opt(ge=0)
-    prompts_per_step: int = _opt(ge=1)
-    group_size: int = _opt(ge=1)
-    max_new_tokens: int = _opt(ge=1)
-    temperature: float = _opt(ge=0)
-    top_k: int = _opt(ge=0)
-    top_p: float = _opt(gt=0, le=1)
-    estimator: str = _opt()   # a registered name or "pkg.module:fn" (lrl.rl.registry)
-    epochs: int = _opt(ge=1)
-    minibatches: int = _opt(ge=1)
-    row_len: int = _opt(ge=0)              # 0 = the token budget
-    max_tokens_per_micro: int = _opt(ge=0)  # 0 = derived from device memory
-    logprob_chunk: int = _opt(ge=1)
-    fused_head: bool = _opt()
-    recompute_old_logp: bool = _opt()
-    dynamic_sampling: bool = _opt()
-    max_resample: int = _opt(ge=0)
-    overlong: str = _opt(choices=OVERLONG)
-    overlong_buffer: int = _opt(ge=0)
-    overlong_penalty: float = _opt(ge=0)
-    mismatch_fraction: float = _opt(ge=0, le=1)   # 0 = no mismatch metrics
-    shared_prompt: str = _opt(choices=SHARED_PROMPT)
-    gamma: float = _opt(ge=0, le=1)        # GAE's discount (verl's algorithm.gamma)
-    lam: float = _opt(ge=0, le=1)          # GAE's lambda (verl's algorithm.lam)
-    kl_in_reward: bool = _opt()            # subtract beta * KL(old || ref) from token rewards
-    loss: LossOptions = None
-    kl_ctrl: "KLControlOptions" = None
-
+class RLOptions(schema.RL):
     @property
     def uses_critic(self) -> bool:
         """The estimator reads a critic's values (PPO with GAE)."""
@@ -300,237 +127,53 @@ class RLOptions:
                                               and self.old_logp != "sampler")
 
 
-@dataclasses.dataclass(frozen=True)
-class KLControlOptions:
-    """The KL-in-reward coefficient's controller (verl's algorithm.kl_ctrl)."""
-    type: str = _opt(choices=("fixed", "adaptive"))
-    coef: float = _opt(ge=0)               # beta (the adaptive controller's start)
-    target_kl: float = _opt(gt=0)          # adaptive: the KL it steers to
-    horizon: int = _opt(ge=1)              # adaptive: samples over which it moves
-    estimator: str = _opt(choices=("k1", "k2", "k3", "low_var_kl"))   # verl's kl_penalty
+# What `schema.read` builds for a schema section: its typed subclass above.
+_TYPED = {schema.Model: ModelOptions, schema.Mesh: MeshOptions, schema.Loss: LossOptions,
+          schema.RL: RLOptions}
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimOptions:
-    lr: float = _opt(gt=0)
-    warmup_steps: int = _opt(ge=0)
-    weight_decay: float = _opt(ge=0)
-    b1: float = _opt(ge=0, lt=1)
-    b2: float = _opt(ge=0, lt=1)
-    clip_norm: float = _opt(ge=0)
-    # fp32 masters and Adam moments in pinned host memory, streamed to the device a layer at
-    # a time by the optimizer step (lrl/rl/offload.py, docs/offload.md): "auto" when the
-    # device cannot hold them beside the update's needs, "on", "off".
-    offload: str = _opt(choices=("auto", "on", "off"))
-
-
-@dataclasses.dataclass(frozen=True)
-class CriticOptions:
-    """The critic of PPO (`rl.estimator="gae"`, `lrl.rl.critic`): the policy's decoder with a
-    value head, on the same mesh and micro-batches, with its own optimizer."""
-    hf_path: str                           # "": the policy's weights (head at zero / small);
-                                           # else a HF *ForTokenClassification (1 label) or
-                                           # *ForSequenceClassification checkpoint
-    head_init_std: float = _opt(ge=0)      # 0: the head starts at zero
-    remat: str = _opt(choices=("", "none", "full", "dots", "dots_no_batch", "dots_attn",
-                               "save_attn", "offload_attn"))   # "": the policy's
-    warmup_steps: int = _opt(ge=0)         # steps that update the critic alone (verl's
-                                           # trainer.critic_warmup)
-    ppo_epochs: int = _opt(ge=1)           # passes of the critic over each step's minibatches
-    cliprange_value: float = _opt(ge=0)    # verl's critic.cliprange_value
-    optim: OptimOptions = None
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardModelOptions:
-    hf_path: str                           # a *ForSequenceClassification directory; "" = none
-    tokenizer_path: str                    # "" = the reward model's directory
-    max_len: int = _opt(ge=16)             # T of its packed rows; longer conversations are cut
-    batch_rows: int = _opt(ge=1)           # rows of one forward call (one compiled shape)
-    dtype: str = _opt(choices=DTYPES)
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardOptions:
-    spec: str
-    num_workers: int = _opt(ge=0)
-    timeout_s: float = _opt(gt=0)
-    fail_frac: float = _opt(gt=0, le=1)    # share of a scoring call's items failing: a failed call
-    fail_patience: int = _opt(ge=0)        # failed calls in a row that stop the run; 0: never
-    model: RewardModelOptions = None       # the `rm` term's reward model (docs/reward-models.md)
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutOptions:
-    page_size: int = _opt(ge=1)
-    max_slots: int = _opt(ge=1)
-    pool_tokens: int = _opt(ge=0)       # 0 = from pool_fraction (or every slot's longest sample)
-    pool_fraction: float = _opt(gt=0, le=1)   # of the device memory free after the train state
-    prefill_tokens: int = _opt(ge=16)   # tokens of one prefill call (rows x chunk)
-    sp_min_tokens: int = _opt(ge=0)     # prompts this long prefill over seq (ring/ulysses)
-    narrow_decode: bool = _opt()        # tail decode calls compute the live rows alone
-    overlap_admission: bool = _opt()    # keep a decode call in flight while samples wait too
-    partial: bool = _opt()              # carry unfinished samples into the next step
-    partial_tokens: int = _opt(ge=0)    # decode tokens a step samples at most; 0 = no budget
-    partial_tail: float = _opt(ge=-1, lt=1)  # stop once nothing waits and fewer than this
-                                             # share of the slots are live; 0 = never;
-                                             # -1 = PARTIAL_TAIL with partial, else 0
-    partial_seconds: float = _opt(ge=0)  # a step's rollout stops after this long; 0 = no limit
-    partial_backlog: float = _opt(ge=0)  # samples waiting behind the full slots as a step
-                                         # starts, in steps' worth (rl.prompts_per_step x G)
-    max_staleness: int = _opt(ge=0)     # policy versions a carried group may span, then dropped
-    partial_keep_kv: bool = _opt()      # with partial: carried samples keep their KV pages in
-                                        # the pool (else they are prefilled again)
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalOptions:
-    every: int = _opt(ge=0)
-    num_prompts: int = _opt(ge=1)
-    k: int = _opt(ge=1)
-    temperature: float = _opt(ge=0)
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointOptions:
-    every_steps: int = _opt(ge=0)
-    every_minutes: float = _opt(ge=0)
-    keep: int = _opt(ge=1)
-
-
-@dataclasses.dataclass(frozen=True)
-class MetricsOptions:
-    tensorboard: bool
-    samples_per_step: int = _opt(ge=0)
-    wandb_project: str = _opt()         # "" = no Weights & Biases sink (lrl/wandb_sink.py)
-    wandb_entity: str = _opt()
-    wandb_name: str = _opt()            # "" = the workdir's name
-    wandb_mode: str = _opt(choices=("online", "offline"))
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineOptions:
-    """The one-step-off-policy pipeline (verl's one_step_off_policy trainer): the devices split
-    into two meshes, and the rollout of step t+1 runs on the rollout devices while the training
-    devices update on step t's batch. Step t then trains on samples drawn with the weights of
-    step t-1 (each sample's age is 1; the first step of a run, whose batch nothing sampled
-    ahead, samples synchronously, age 0); the sampler's log-probs and the rollout correction
-    (`rl.loss.tis_cap`, `mask_level`, `staleness_decay`) apply to them as to any behaviour
-    policy's. The new weights go to the rollout devices device to device after each update.
-
-    `rollout_devices`: 0 (the default) runs every step on one mesh of every device, rollout and
-    update in turn; n >= 1 gives the last n devices to the rollout and shapes the rest with the
-    `mesh.*` sizes (so at least 2 devices; one GPU cannot split). `rollout_tensor`: the
-    rollout mesh's tensor-parallel size (0: all n; its other devices hold copies), which must
-    divide n and the training device count (the weights are gathered on the training devices
-    into the rollout's tensor slices, then copied). Single process, text task, without
-    `rollout.partial` (see `_check_pipeline`). A checkpoint saves the batch sampled ahead
-    (finished, scored) with the state, so a resume trains exactly what the run would have."""
-    rollout_devices: int = _opt(ge=0)   # 0 = off: one mesh, rollout and update in turn
-    rollout_tensor: int = _opt(ge=0)    # 0 = all rollout devices on the tensor axis
-
-
-@dataclasses.dataclass(frozen=True)
-class VideoOptions:
-    """The video task's own section: frames, the vision tower, and the video-QA fields."""
-    frames_in_file: int = _opt(ge=2)    # synthetic videos: frames written per file
-    frame: int = _opt(ge=28)            # synthetic videos: square side in pixels
-    num_frames: int = _opt(ge=2)        # frames sampled per video (2 per temporal patch)
-    min_tokens_per_frame: int = _opt(ge=1)
-    max_tokens_per_frame: int = _opt(ge=1)
-    cache_dir: str = _opt()
-    cache_gib: float = _opt(ge=0)       # device memory the in-memory embedding cache may hold
-    frame_axes: str = _opt()
-    mrope_section: tuple = _opt()
-    vision_depth: int = _opt(ge=1)
-    vision_width: int = _opt(ge=1)
-    vision_heads: int = _opt(ge=1)
-    vision_mlp_dim: int = _opt(ge=1)
-    video_field: str = _opt()
-    choices_field: str = _opt()
-    video_root: str = _opt()
-    instruction: str = _opt()
-    choice_instruction: str = _opt()
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    job: str
-    task: str
-    seed: int
-    model: ModelOptions
-    tokenizer: TokenizerOptions
-    mesh: MeshOptions
-    distributed: dict
-    data: DataOptions
-    sft: SFTOptions
-    rl: RLOptions
-    optim: OptimOptions
-    reward: RewardOptions
-    rollout: RolloutOptions
-    eval: EvalOptions
-    checkpoint: CheckpointOptions
-    metrics: MetricsOptions
-    pipeline: PipelineOptions
-    critic: CriticOptions = None
-    video: Optional[VideoOptions] = None
-    compile_cache: str = "auto"   # compiled programs and budgets kept for the next start
+class Options(schema.Config):
+    """The whole run's options: the schema's `Config` with typed sections."""
+    distributed: dict = None   # lrl.distributed.settings: the section over its defaults
 
     @property
     def rl_steps(self) -> int:
         return self.rl.steps if self.job == "grpo" else 0
 
 
-_SECTIONS = dict(model=ModelOptions, tokenizer=TokenizerOptions, mesh=MeshOptions,
-                 data=DataOptions, sft=SFTOptions, optim=OptimOptions,
-                 rollout=RolloutOptions, eval=EvalOptions, checkpoint=CheckpointOptions,
-                 metrics=MetricsOptions, pipeline=PipelineOptions)
-
-
 def from_config(config, check_files: bool = True) -> Options:
     """Typed options from a config; raises ValueError (FileNotFoundError for files) naming the
     key of the first value that would only break later."""
     top = dict(config.items())
-    known = set(_SECTIONS) | {"job", "task", "seed", "distributed", "rl", "reward", "video",
-                              "compile_cache", "critic"}
-    unknown = sorted(set(top) - known)
+    known = {f.name: f for f in schema.fields(schema.Config)}
+    unknown = sorted(set(top) - set(known))
     if unknown:
         raise ValueError(f"config: unknown top-level keys {unknown}; the keys are "
                          f"{sorted(known)}")
-    job, task = top.get("job"), top.get("task", "text")
+    job, task = top.get("job"), top.get("task", schema.Config.task)
     if job == "grpo_video":
         raise ValueError("job='grpo_video' is now job='grpo' with task='video' (see "
                          "configs/video_synthetic.py)")
-    _check_value("job", job, {"choices": JOBS})
-    _check_value("task", task, {"choices": TASKS})
-    sections = {name: _read(cls, top.get(name), name) for name, cls in _SECTIONS.items()}
-    rl = top.get("rl")
-    loss = _read(LossOptions, rl.get("loss") if rl is not None else None, "rl.loss")
-    kl_ctrl = _read(KLControlOptions, rl.get("kl_ctrl") if rl is not None else None,
-                    "rl.kl_ctrl")
-    sections["rl"] = _read(RLOptions, rl, "rl", loss=loss, kl_ctrl=kl_ctrl)
-    critic = top.get("critic")
-    sections["critic"] = _read(CriticOptions, critic, "critic", optim=_read(
-        OptimOptions, critic.get("optim") if critic is not None else None, "critic.optim"))
-    if sections["critic"].optim.offload == "on":
-        raise ValueError("critic.optim.offload='on': the critic's optimizer stays on the "
-                         "device (only the policy's is offloaded); set it 'off' or 'auto'")
-    reward = top.get("reward")
-    rm = _read(RewardModelOptions, reward.get("model") if reward is not None else None,
-               "reward.model")
-    sections["reward"] = _read(RewardOptions, reward, "reward", model=rm)
+    schema.check_value("job", job, known["job"].metadata)
+    schema.check_value("task", task, known["task"].metadata)
+    sections = {f.name: schema.read(schema.nested(f), top.get(f.name), f.name, _TYPED, _RENAMED)
+                for f in schema.fields(schema.Config)
+                if schema.nested(f) is not None and f.name not in ("distributed", "video")}
     video = top.get("video")
     if task == "video":
-        sections["video"] = _read(VideoOptions, video, "video")
+        sections["video"] = schema.read(schema.Video, video, "video")
     elif video is not None:
         raise ValueError("config has a 'video' section but task='text'; set task='video'")
-    from lrl import distributed   # the distributed section keeps its own defaults and checks
+    # `distributed` may leave out fields (its defaults: schema.Distributed) and stays a dict;
+    # lrl.distributed imports jax, so only here.
+    from lrl import distributed
     sections["rollout"] = _resolve_tail(sections["rollout"])
-    opts = Options(job=job, task=task, seed=_coerce("seed", top["seed"], int),
+    opts = Options(job=job, task=task, seed=schema.coerce("seed", top["seed"], int),
                    distributed=distributed.settings(top.get("distributed", {})),
                    # a config from before the key (a checkpoint's) keeps the cache on
-                   compile_cache=_coerce("compile_cache", top.get("compile_cache", "auto"),
-                                         str),
+                   compile_cache=schema.coerce("compile_cache", top.get(
+                       "compile_cache", schema.Config.compile_cache), str),
                    **sections)
     _check_across(opts)
     if check_files:
@@ -562,7 +205,7 @@ def _check_across(o: Options) -> None:
     _check_reward_model(o)
     check_param_shard_axes(o.model.shard_axes, "model.param_shard_axes",
                            o.model.param_shard_axes)
-    _check_value("data.source", o.data.source, {"choices": SOURCES[o.task]})
+    schema.check_value("data.source", o.data.source, {"choices": SOURCES[o.task]})
     from lrl.rl import registry   # estimator and policy loss: registered or importable, fitting
     # The run trains a critic for the token-level estimators lrl.ppo builds (gae); another
     # registered one that needs a critic is refused there, naming rl.estimator.
@@ -582,7 +225,7 @@ def _check_across(o: Options) -> None:
         raise ValueError(f"data.source={o.data.source!r} needs data.paths")
     if o.data.source == "synthetic":
         tasks = TEXT_TASKS if o.task == "text" else VIDEO_TASKS
-        _check_value("data.task", o.data.task, {"choices": tasks})
+        schema.check_value("data.task", o.data.task, {"choices": tasks})
         if o.task == "text" and o.data.task not in o.data.task_kwargs:
             raise ValueError(f"data.task={o.data.task!r} has no entry in data.task_kwargs "
                              f"(entries: {sorted(o.data.task_kwargs)})")
@@ -618,6 +261,10 @@ def _check_across(o: Options) -> None:
 def _check_ppo(o: Options) -> None:
     """What the critic and the KL in the reward need."""
     rl, c = o.rl, o.critic
+    if c.optim.offload == "on":
+        raise ValueError("critic.optim.offload='on': the critic's optimizer stays on the "
+                         "device (only the policy's is offloaded, lrl/rl/offload.py); set "
+                         "it 'off' or 'auto'")
     if not rl.uses_critic:
         for name, v, off in (("warmup_steps", c.warmup_steps, 0), ("hf_path", c.hf_path, "")):
             if v != off:
@@ -774,5 +421,5 @@ def check_files_exist(o: Options) -> None:
 
 def as_dict(config) -> dict:
     """The config as plain data (what a checkpoint stores)."""
-    return _plain(config)
+    return schema.plain(config)
 

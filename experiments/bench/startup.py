@@ -29,7 +29,9 @@ from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, ROOT)
+# This folder off the path: its profile.py would shadow the standard library's, which
+# transformers imports (the table's tokenizer failed so on the H200, 2026-12-05).
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 # Issue 39's user: Qwen2.5-1.5B shapes on the embedded default, 64 prompts x 8, answers to 8K.
 # The vocabulary stays the embedded tokenizer's (300): random weights then draw the end token
@@ -77,6 +79,7 @@ def run_one(name: str, out: str, steps: int, extra: dict, smoke: bool, timeout: 
     path = os.path.join(workdir, "metrics.jsonl")
     if os.path.exists(path):
         rows = [r for r in map(json.loads, open(path)) if "pack/tokens" in r]
+        subprocess.run(["cp", path, os.path.join(out, f"{name}.metrics.jsonl")])
     print(f"{name}: exit {rc}, {wall:.0f} s, {len(rows)} steps (log {log})", flush=True)
     return dict(name=name, rc=rc, wall=wall, rows=rows, workdir=workdir,
                 cpp_lines=sum(bool(CPP_LINE.match(x)) for x in console),
@@ -84,8 +87,11 @@ def run_one(name: str, out: str, steps: int, extra: dict, smoke: bool, timeout: 
 
 
 def mfu(row: dict, cfg, a) -> float:
-    sys.path.insert(0, HERE)
-    from grpo_step import flops_and_prediction
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("grpo_step", os.path.join(HERE, "grpo_step.py"))
+    grpo_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grpo_step)
+    flops_and_prediction = grpo_step.flops_and_prediction
     ns = SimpleNamespace(prompts=a.prompts, group=a.group, slots=a.slots,
                          peak_tflops=a.peak_tflops, decode_frac=0.5, hbm_tbs=4.1,
                          prefill_mfu=0.74, update_mfu=0.6)
