@@ -147,12 +147,22 @@ def _leaf_checksum(x):
 
 
 _tree_checksums = jax.jit(lambda leaves: [_leaf_checksum(x) for x in leaves])
+# A leaf in host memory (an offloaded optimizer's, `lrl.rl.offload`) is summed on the device,
+# one at a time: all of them at once would bring the whole offloaded state back.
+_host_checksum = jax.jit(lambda x: _leaf_checksum(jax.device_put(x, jax.memory.Space.Device)))
+
+
+def _on_host(x) -> bool:
+    return getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host"
 
 
 def checksums(tree) -> dict[str, list[int]]:
     """{leaf path: [sum, weighted sum]} of a tree of arrays (keys as raw key data)."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    sums = jax.device_get(_tree_checksums([jnp.asarray(x) for _, x in flat]))
+    host = {i: jax.device_get(_host_checksum(x)) for i, (_, x) in enumerate(flat) if _on_host(x)}
+    rest = jax.device_get(_tree_checksums([jnp.asarray(x) for i, (_, x) in enumerate(flat)
+                                           if i not in host]))[::-1]
+    sums = [host[i] if i in host else rest.pop() for i in range(len(flat))]
     return {path_str(p): [int(v) for v in np.asarray(c)] for (p, _), c in zip(flat, sums)}
 
 

@@ -106,10 +106,21 @@ def loss_config(opts: options_lib.Options):
                       policy_loss=L.policy_loss)
 
 
+def offload(o: options_lib.OptimOptions, model_cfg, mesh):
+    """-> (the model config when `optim.offload` puts masters and moments in host memory,
+    else None; why), by `lrl.rl.offload.decide_for`."""
+    from lrl.rl import offload as offload_lib
+    on, why = offload_lib.decide_for(o.offload, model_cfg, mesh)
+    logging.info("optimizer offload %s (%s)", "on" if on else "off", why)
+    return (model_cfg if on else None), why
+
+
 def optimizer(o: options_lib.OptimOptions, total_steps: int, lr: float | None = None,
-              warmup: int | None = None):
+              warmup: int | None = None, offload_cfg=None):
     """The phase's optimizer. A warm-up longer than the phase (a short smoke run of a config
-    tuned for longer ones) is cut to the phase's length, and said so."""
+    tuned for longer ones) is cut to the phase's length, and said so. `offload_cfg`: the
+    model config when the optimizer is offloaded (`offload`): masters in its param_dtype,
+    the device copy in its dtype."""
     from lrl.rl.optim import make_optimizer
     total_steps = max(total_steps, 1)
     warmup = o.warmup_steps if warmup is None else warmup
@@ -117,6 +128,11 @@ def optimizer(o: options_lib.OptimOptions, total_steps: int, lr: float | None = 
         logging.warning("warm-up of %d steps is longer than the %d-step phase: cut to %d",
                         warmup, total_steps, total_steps)
         warmup = total_steps
-    return make_optimizer(lr=o.lr if lr is None else lr, warmup_steps=warmup,
-                          total_steps=total_steps, b1=o.b1, b2=o.b2,
-                          weight_decay=o.weight_decay, clip_norm=o.clip_norm)
+    kw = dict(lr=o.lr if lr is None else lr, warmup_steps=warmup, total_steps=total_steps,
+              b1=o.b1, b2=o.b2, weight_decay=o.weight_decay)
+    if offload_cfg is None:
+        return make_optimizer(**kw, clip_norm=o.clip_norm)
+    from lrl.rl.offload import Offload
+    # The clip runs on the device over all gradients; the element-wise AdamW layer by layer.
+    return Offload(make_optimizer(**kw, clip_norm=None), o.clip_norm or None,
+                   compute_dtype=offload_cfg.dtype, master_dtype=offload_cfg.param_dtype)

@@ -16,7 +16,6 @@ import os
 from typing import Callable, Optional
 
 import jax
-import numpy as np
 
 from lrl import checkpoint as ckpt_lib
 from lrl import compile_cache
@@ -104,9 +103,13 @@ def _run(opts, config, workdir: str, cache: compile_cache.Cache, mesh, rollout_m
 def _run_phases(r: Run) -> dict:
     opts = r.opts
     sft_steps, rl_steps = opts.sft.steps, opts.rl_steps
+    # Masters and Adam moments in host memory when the device cannot hold them (lrl.rl.offload).
+    off, why = ex.offload(opts.optim, r.task.model_cfg, r.mesh)
+    r.writer.note(f"optimizer: masters and moments {'in host memory' if off else 'on the device'}"
+                  f" ({why})")
     sft_tx = ex.optimizer(opts.optim, sft_steps, lr=opts.sft.lr,
-                          warmup=opts.sft.warmup_steps) if sft_steps else None
-    rl_tx = ex.optimizer(opts.optim, rl_steps) if rl_steps else sft_tx
+                          warmup=opts.sft.warmup_steps, offload_cfg=off) if sft_steps else None
+    rl_tx = ex.optimizer(opts.optim, rl_steps, offload_cfg=off) if rl_steps else sft_tx
     # Both phases use the same optimizer structure (only the schedules differ), so one
     # abstract state restores either phase's checkpoint.
     # PPO's critic and the frozen reference are saved as items of their own; read where a
@@ -136,7 +139,7 @@ def _run_phases(r: Run) -> dict:
         if stopped or not rl_steps:
             return out
         data_state = {}
-        state = _fresh_state(r, state.params, rl_tx)
+        state = _fresh_state(r, train_lib.masters(state), rl_tx)
     elif state is None:
         state = _fresh_state(r, r.task.initial_params(), rl_tx)
     if rl_steps:
@@ -148,8 +151,8 @@ def _run_phases(r: Run) -> dict:
 
 def _fresh_state(r: Run, params, tx):
     """A phase starts its own optimizer (and step count) on the params it is given."""
-    state = train_lib.TrainState(np.zeros((), np.int32), params, tx.init(params))
-    return jax.device_put(state, train_lib.train_state_shardings(r.task.model_cfg, tx, r.mesh))
+    return train_lib.place_train_state(
+        params, tx, train_lib.train_state_shardings(r.task.model_cfg, tx, r.mesh))
 
 
 def _checkpoint(r: Run, step: int, state, data_state: Callable[[], dict],

@@ -261,6 +261,10 @@ def _check_across(o: Options) -> None:
 def _check_ppo(o: Options) -> None:
     """What the critic and the KL in the reward need."""
     rl, c = o.rl, o.critic
+    if c.optim.offload == "on":
+        raise ValueError("critic.optim.offload='on': the critic's optimizer stays on the "
+                         "device (only the policy's is offloaded, lrl/rl/offload.py); set "
+                         "it 'off' or 'auto'")
     if not rl.uses_critic:
         for name, v, off in (("warmup_steps", c.warmup_steps, 0), ("hf_path", c.hf_path, "")):
             if v != off:

@@ -270,6 +270,10 @@ class Optim:
     b1: float = field(0.9, "Adam's first-moment decay", ge=0, lt=1)
     b2: float = field(0.99, "Adam's second-moment decay", ge=0, lt=1)
     clip_norm: float = field(1.0, "gradients clipped to this global norm", ge=0)
+    offload: str = field("auto", "fp32 masters and Adam moments in pinned host memory, "
+                         "streamed a layer at a time by the optimizer step: 'auto' when the "
+                         "device cannot hold them (never on CPU), 'on', 'off' "
+                         "(docs/offload.md)", choices=("auto", "on", "off"))
 
 
 @_frozen
@@ -288,7 +292,8 @@ class Critic:
                               ge=0)
     ppo_epochs: int = field(1, "critic passes over each step's minibatches", ge=1)
     cliprange_value: float = field(0.5, "value clip around the old values (verl's 0.5)", ge=0)
-    optim: Optim = section(Optim, "the critic's optimizer", lr=1e-5, warmup_steps=0, b2=0.999)
+    optim: Optim = section(Optim, "the critic's optimizer (offload: never, it stays on the "
+                           "device)", lr=1e-5, warmup_steps=0, b2=0.999, offload="off")
 
 
 @_frozen

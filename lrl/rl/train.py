@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from lrl import mesh as mesh_lib
 from lrl import models
 from lrl.models.scan_buffers import UninitialisedScanJit
+from lrl.rl import offload as offload_lib
 from lrl.rl import optim
 from lrl.rl.losses import combine_metrics
 
@@ -72,24 +73,29 @@ def _metric_identity(shapes):
 
 
 def _finish(state: TrainState, grads, metrics, tx):
-    """The optimizer step on the accumulated gradients -> (new state, metrics)."""
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics, grad_norm=optax.global_norm(grads),
-                   update_norm=optax.global_norm(updates))
+    """The optimizer step on the accumulated gradients -> (new state, metrics); with the
+    optimizer offloaded (`lrl.rl.offload`) streamed through the device layer by layer."""
+    if offload_lib.is_offload(tx):
+        params, opt_state, grad_norm, update_norm = offload_lib.finish(state, grads, tx)
+    else:
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        grad_norm, update_norm = optax.global_norm(grads), optax.global_norm(updates)
+    metrics = dict(metrics, grad_norm=grad_norm, update_norm=update_norm)
     lr = optim.learning_rate(opt_state)
     if lr is not None:
         metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
     return TrainState(state.step + 1, params, opt_state), metrics
 
 
-def _zero_grads(model_cfg, params, mesh, param_sh=None):
+def _zero_grads(model_cfg, params, mesh, param_sh=None, dtype=None):
     """The gradient accumulator: zeros in the masters' dtype, as the Adam moments (fp32
     masters accumulate in fp32; bf16 ones, whose gradients and moments are bf16, in bf16: an
     fp32 accumulator would be twice their size, 30 GB for a 7B model). `param_sh`: the
-    parameters' shardings when they are not the decoder's own tree (the critic's)."""
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
+    parameters' shardings when they are not the decoder's own tree (the critic's). `dtype`:
+    the masters' when `params` are not them (offloaded, `params` are the compute copy)."""
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, dtype or p.dtype), params)
     if mesh is not None:  # the accumulator lives sharded like the parameters
         zeros = jax.lax.with_sharding_constraint(
             zeros, param_sh if param_sh is not None
@@ -111,7 +117,7 @@ def accumulate_and_apply(state: TrainState, batch, micro_loss: Callable, *, mode
                          f"num_micro={num_micro} micro-batches")
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     micro = micro_split(batch, num_micro)
-    zeros = _zero_grads(model_cfg, state.params, mesh)
+    zeros = _zero_grads(model_cfg, state.params, mesh, dtype=grad_dtype(tx))
     first = jax.tree.map(lambda x: x[0], micro)
     metric_shapes = jax.eval_shape(micro_loss, state.params, first)[1]
 
@@ -142,8 +148,8 @@ class AccumulatePrograms(NamedTuple):
     apply: Callable
 
 
-def _start(params, *, metric_shapes, model_cfg, mesh, param_sh=None):
-    return Accumulator(_zero_grads(model_cfg, params, mesh, param_sh),
+def _start(params, *, metric_shapes, model_cfg, mesh, param_sh=None, dtype=None):
+    return Accumulator(_zero_grads(model_cfg, params, mesh, param_sh, dtype),
                        _metric_identity(metric_shapes))
 
 
@@ -153,8 +159,9 @@ class _Start:
     scalar metrics) is the same for all. The metrics' structure is traced, not compiled,
     from the first micro-batch of each set of arrays."""
 
-    def __init__(self, micro_loss, model_cfg, mesh, out_shardings):
+    def __init__(self, micro_loss, model_cfg, mesh, out_shardings, dtype=None):
         self._micro_loss, self._model_cfg, self._mesh = micro_loss, model_cfg, mesh
+        self._dtype = dtype
         self._out_shardings, self._programs = out_shardings, {}
 
     def __call__(self, params, mb, *args):
@@ -164,7 +171,7 @@ class _Start:
             fn = functools.partial(_start, metric_shapes=shapes, model_cfg=self._model_cfg,
                                    mesh=self._mesh, param_sh=(
                                        None if self._out_shardings is None
-                                       else self._out_shardings.grads))
+                                       else self._out_shardings.grads), dtype=self._dtype)
             self._programs[key] = (jax.jit(fn) if self._out_shardings is None
                                    else jax.jit(fn, out_shardings=self._out_shardings))
         return self._programs[key](params)
@@ -193,10 +200,11 @@ def make_accumulate_programs(micro_loss: Callable, model_cfg, tx, mesh=None, *,
     if uninit_scan is None:
         uninit_scan = mesh is None or mesh.size == 1
     acc = functools.partial(_accumulate, micro_loss=micro_loss, mesh=mesh)
+    gdt = grad_dtype(tx)
     apply = functools.partial(_apply, tx=tx)
     if mesh is None:
         jit_acc = jax.jit(acc, donate_argnums=(1,))
-        programs = AccumulatePrograms(_Start(micro_loss, model_cfg, mesh, None), jit_acc,
+        programs = AccumulatePrograms(_Start(micro_loss, model_cfg, mesh, None, gdt), jit_acc,
                                       jax.jit(apply, donate_argnums=(0,)))
     else:
         rep = mesh_lib.replicated(mesh)
@@ -204,7 +212,7 @@ def make_accumulate_programs(micro_loss: Callable, model_cfg, tx, mesh=None, *,
         acc_sh = Accumulator(grads_sh, rep)
         state_sh = train_state_shardings(model_cfg, tx, mesh) if state_sh is None else state_sh
         jit_acc = jax.jit(acc, donate_argnums=(1,), out_shardings=acc_sh)
-        programs = AccumulatePrograms(_Start(micro_loss, model_cfg, mesh, acc_sh), jit_acc,
+        programs = AccumulatePrograms(_Start(micro_loss, model_cfg, mesh, acc_sh, gdt), jit_acc,
                                       jax.jit(apply, donate_argnums=(0,),
                                               out_shardings=(state_sh, rep)))
     if uninit_scan:
@@ -226,8 +234,33 @@ def run_accumulated(programs: AccumulatePrograms, state: TrainState, micro_batch
 
 # --- Building the compiled functions (once, where the loop is built) ---------------------
 
+def grad_dtype(tx):
+    """The gradient accumulator's dtype when it is not the params' (offloaded: the masters')."""
+    return tx.master_dtype if offload_lib.is_offload(tx) else None
+
+
 def init_train_state(params, tx) -> TrainState:
+    """A fresh state on master `params` (offloaded: the compute copy and the host state)."""
+    if offload_lib.is_offload(tx):
+        return TrainState(jnp.zeros((), jnp.int32), *offload_lib.init_state(params, tx))
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+
+def place_train_state(params, tx, shardings: TrainState) -> TrainState:
+    """A fresh state on master `params`, placed in `shardings` (`train_state_shardings`);
+    offloaded, leaf by leaf, so the device never holds the whole optimizer state."""
+    if offload_lib.is_offload(tx):
+        return TrainState(jax.device_put(jnp.zeros((), jnp.int32), shardings.step),
+                          *offload_lib.place_state(params, tx, shardings.params,
+                                                   shardings.opt_state))
+    return jax.device_put(init_train_state(params, tx), shardings)
+
+
+def masters(state: TrainState):
+    """The master weights of a state: its params, or offloaded its host copy's."""
+    if isinstance(state.opt_state, offload_lib.OffloadState):
+        return state.opt_state.masters
+    return state.params
 
 
 def train_state_shardings(model_cfg, tx, mesh) -> TrainState:
@@ -240,6 +273,9 @@ def train_state_shardings(model_cfg, tx, mesh) -> TrainState:
 
 def state_shardings(tx, param_sh, mesh, shapes) -> TrainState:
     """`train_state_shardings` of any parameter tree: its shapes and shardings given."""
+    if offload_lib.is_offload(tx):
+        return TrainState(mesh_lib.replicated(mesh), *offload_lib.state_shardings(
+            tx, param_sh, mesh_lib.replicated(mesh), shapes))
     opt_shapes = jax.eval_shape(tx.init, shapes)
     replicated = mesh_lib.replicated(mesh)
     opt_sh = optax.tree_utils.tree_map_params(
@@ -253,7 +289,9 @@ def abstract_train_state(model_cfg, tx, mesh) -> TrainState:
     """The train state as ShapeDtypeStructs carrying their shardings: what a checkpoint
     restore reads into."""
     shapes = models.abstract_params(model_cfg)
-    abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), shapes,
+    abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32),
+                          offload_lib.abstract_params(tx, shapes)
+                          if offload_lib.is_offload(tx) else shapes,
                           jax.eval_shape(tx.init, shapes))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         abstract, train_state_shardings(model_cfg, tx, mesh))
@@ -261,7 +299,7 @@ def abstract_train_state(model_cfg, tx, mesh) -> TrainState:
 
 def make_init_fn(model_cfg, tx, mesh=None):
     """rng -> TrainState, every array created directly in its sharding."""
-    def init(rng):
+    def init(rng):   # (offloaded: the masters made on the device, then moved to the host)
         return init_train_state(models.init_params(model_cfg, rng), tx)
     if mesh is None:
         return jax.jit(init)

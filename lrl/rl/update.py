@@ -330,7 +330,9 @@ def _abstract_accumulator(u: UpdatePrograms, params, mb_spec, extra_spec):
 
 
 def _device_bytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize // _shards(x) for x in jax.tree.leaves(tree))
+    """Bytes of `tree` on one device; leaves in host memory (an offloaded optimizer's) none."""
+    return sum(x.size * x.dtype.itemsize // _shards(x) for x in jax.tree.leaves(tree)
+               if getattr(getattr(x, "sharding", None), "memory_kind", None) != "pinned_host")
 
 
 def _shards(x) -> int:

@@ -1,0 +1,312 @@
+"""Optimizer host offload: the fp32 master weights and the Adam moments live in pinned host
+memory; the device holds the parameters in the compute dtype (bf16) and, while the optimizer
+step runs, one layer's masters and moments at a time (verl's optimizer offload, in one XLA
+program).
+
+A 7B model's masters and moments are 12 bytes a parameter, 91 GB: with the fp32 gradient
+accumulator (4 more) they do not fit one 141 GB H200 beside the update's activations and the
+rollout's pool. Offloaded, the device keeps 2 + 4 bytes a parameter (bf16 weights, fp32
+gradients) and streams the rest.
+
+The train state keeps its shape, `TrainState(step, params, opt_state)`: `params` are the
+compute-dtype weights every forward reads (update, log-probs, rollout), `opt_state` an
+`OffloadState(masters, inner)` in host memory. The optimizer step (`finish`, in place of
+`optax` on the whole tree) is
+
+  1. the global norm over all gradients, on the device (the only cross-parameter step), for
+     the clip, applied to each block as it is updated;
+  2. the element-wise rest (AdamW with its schedule, `inner`) once on the parameters outside
+     the scanned layers, then in a `fori_loop` over the layers: layer l's masters and moments
+     are moved to the device, updated, moved back into their host buffers in place, and its
+     new weights cast into the compute-dtype parameters.
+
+The element-wise optimizer is called on a tree of the parameters' own structure in which
+the leaves outside the current block are empty arrays, so masks that read parameter paths
+(no weight decay on norms and biases) see the tree they were written for. It is the same
+arithmetic as the on-device update (tests/test_offload.py compares them).
+
+`decide` is the `optim.offload="auto"` rule. L layers.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+log = logging.getLogger(__name__)
+
+CHOICES = ("auto", "on", "off")
+HOST = "pinned_host"
+LAYERS = "layers"   # the params key of the scanned layers (leading L axis)
+# "auto" offloads when the on-device train state (masters, two moments, the gradient
+# accumulator) would take more than this share of what the device may allocate: the rest is
+# the update's activations and log-prob chunks, the rollout's KV pool and the decode weights
+# (the default pool alone takes 0.4 of what is free).
+STATE_SHARE = 0.5
+# ... and only when the host holds the offloaded state with this share of its memory to spare
+# for everything else the process keeps (data, rewards, checkpoints being written).
+HOST_SHARE = 0.85
+
+
+class Offload(NamedTuple):
+    """The offloaded optimizer: what `lrl.rl.train` builds the state and the step from."""
+    inner: optax.GradientTransformation   # element-wise: AdamW with its schedule, no clip
+    clip_norm: Optional[float]            # global-norm clip before it (None / 0: none)
+    compute_dtype: Any                    # the device copy's dtype (model.dtype)
+    master_dtype: Any = jnp.float32
+
+    def init(self, params):
+        """The optimizer state of `params` (the masters): as `optax`'s `init`, so code that
+        only reads shapes (`jax.eval_shape(tx.init, ...)`) works unchanged."""
+        return OffloadState(params, self.inner.init(params))
+
+
+class OffloadState(NamedTuple):
+    masters: Any   # the master weights, master_dtype, in host memory
+    inner: Any     # `Offload.inner`'s state: moments in host memory, counts on the device
+
+
+def is_offload(tx) -> bool:
+    return isinstance(tx, Offload)
+
+
+# --- The auto rule ------------------------------------------------------------------------
+
+def state_bytes(shapes, shardings=None, bytes_per_param: int = 16) -> int:
+    """Bytes of a training state of `bytes_per_param` per parameter on one device: fp32
+    masters, two moments and the gradient accumulator are 16; `shardings` (param
+    shardings) divide each leaf by its shards."""
+    total = 0
+    leaves = jax.tree.leaves(shapes)
+    shs = jax.tree.leaves(shardings) if shardings is not None else [None] * len(leaves)
+    for x, sh in zip(leaves, shs):
+        n = int(np.prod(sh.shard_shape(x.shape))) if sh is not None else int(np.prod(x.shape))
+        total += n * bytes_per_param
+    return total
+
+
+def host_memory() -> Optional[int]:
+    """Physical memory of this host in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def decide(mode: str, *, platform: str, device_limit: Optional[int], on_device: int,
+           offloaded_host: int, host_limit: Optional[int]) -> tuple[bool, str]:
+    """-> (offload?, why), the `optim.offload` rule. `on_device`: bytes one device would hold
+    for masters, moments and gradients without offload; `offloaded_host`: bytes this host
+    would hold with it (masters and moments of its devices); `device_limit`, `host_limit`: what
+    each may allocate (None: unknown). "auto" offloads when the state would take more than
+    STATE_SHARE of the device and the host holds it within HOST_SHARE of its memory; never on
+    a CPU-only platform, whose "host" is its device. "on" / "off" force it ("on" still fails
+    loudly when the host cannot hold the state)."""
+    if mode not in CHOICES:
+        raise ValueError(f"optim.offload={mode!r}; choose one of {CHOICES}")
+    gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+    host_ok = host_limit is None or offloaded_host <= HOST_SHARE * host_limit
+    if mode == "off":
+        return False, "optim.offload='off'"
+    if mode == "on":
+        if not host_ok:
+            raise ValueError(
+                f"optim.offload='on': the masters and moments ({gib(offloaded_host)}) do not "
+                f"fit this host's memory ({gib(host_limit)}, {HOST_SHARE:.0%} usable); shard "
+                "them over more devices (mesh.fsdp) or hosts, or use model.param_dtype="
+                "'bfloat16'")
+        return True, "optim.offload='on'"
+    if platform == "cpu":
+        return False, "auto: a CPU platform's host memory is its device memory"
+    if device_limit is None:
+        return False, "auto: the device does not report its memory"
+    if on_device <= STATE_SHARE * device_limit:
+        return False, (f"auto: masters, moments and gradients ({gib(on_device)}) fit in "
+                       f"{STATE_SHARE:.0%} of the device's {gib(device_limit)}")
+    if not host_ok:
+        log.warning("optim.offload='auto': the device cannot hold the optimizer state "
+                    "(%s of %s) and the host cannot either (%s of %s): left on the device",
+                    gib(on_device), gib(device_limit), gib(offloaded_host), gib(host_limit))
+        return False, "auto: the host cannot hold the optimizer state either"
+    return True, (f"auto: masters, moments and gradients ({gib(on_device)}) exceed "
+                  f"{STATE_SHARE:.0%} of the device's {gib(device_limit)}: masters and moments "
+                  f"({gib(offloaded_host)}) in host memory")
+
+
+def decide_for(mode: str, model_cfg, mesh) -> tuple[bool, str]:
+    """`decide` for a model config on a mesh, with this process's devices and host."""
+    from lrl import models
+    from lrl.rl import budget as budget_lib
+    if mode == "off":
+        return False, "optim.offload='off'"
+    shapes = models.abstract_params(model_cfg)
+    sh = models.param_shardings(model_cfg, mesh, shapes) if mesh is not None else None
+    device = jax.local_devices()[0]
+    memory = budget_lib.device_memory(device)
+    local = len(jax.local_devices()) if mesh is None else sum(
+        d.process_index == jax.process_index() for d in mesh.devices.flat)
+    master = jnp.dtype(model_cfg.param_dtype).itemsize
+    return decide(mode, platform=device.platform, device_limit=memory and memory[0],
+                  on_device=state_bytes(shapes, sh, 4 * master),
+                  offloaded_host=local * state_bytes(shapes, sh, 3 * master),
+                  host_limit=host_memory())
+
+
+# --- The state, its shardings ---------------------------------------------------------------
+
+def host_sharding(sh):
+    return sh.with_memory_kind(HOST)
+
+
+def init_state(params, tx: Offload):
+    """(compute-dtype params, OffloadState) from master `params`; placed by the caller."""
+    params = jax.tree.map(lambda x: jnp.asarray(x, tx.master_dtype), params)
+    return jax.tree.map(lambda x: x.astype(tx.compute_dtype), params), tx.init(params)
+
+
+def place_state(params, tx: Offload, params_sh, opt_sh):
+    """(compute params, OffloadState) of master `params`, placed in `params_sh` / `opt_sh`
+    (`state_shardings`) one leaf at a time: built whole on the device (as `init_state` then
+    a `device_put`) a 7B state would take 106 GB of it before moving out. The moments start
+    as zeros made on the host; the optimizer's scalar state comes from `inner.init` on empty
+    parameters (it does not depend on their values)."""
+    params = jax.tree.map(_off_host, params)   # masters handed on from an offloaded phase
+    compute = jax.tree.map(lambda x, sh: jax.device_put(x.astype(tx.compute_dtype), sh),
+                           params, params_sh)
+    masters = jax.tree.map(lambda x, sh: jax.device_put(x.astype(tx.master_dtype), sh),
+                           params, opt_sh.masters)
+    small = tx.inner.init(jax.tree.map(lambda x: jnp.zeros((0,), tx.master_dtype), params))
+    inner = optax.tree_utils.tree_map_params(
+        tx.inner, lambda leaf, x: np.zeros(x.shape, leaf.dtype), small, params,
+        transform_non_params=lambda leaf: leaf)
+    inner = jax.tree.map(jax.device_put, inner, opt_sh.inner)
+    return compute, OffloadState(masters, inner)
+
+
+def _off_host(x):
+    sh = getattr(x, "sharding", None)
+    if getattr(sh, "memory_kind", None) == HOST:
+        return jax.device_put(x, sh.with_memory_kind("device"))
+    return x
+
+
+def state_shardings(tx: Offload, param_sh, replicated, shapes):
+    """(params', opt_state's) shardings: the compute params like `param_sh`; masters and
+    moments like them, in host memory; the optimizer's counts and hyper-parameters
+    `replicated` on the devices."""
+    host = jax.tree.map(host_sharding, param_sh)
+    inner = optax.tree_utils.tree_map_params(
+        tx.inner, lambda _, sh: sh, jax.eval_shape(tx.inner.init, shapes), host,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return param_sh, OffloadState(host, inner)
+
+
+def abstract_params(tx: Offload, shapes):
+    """The compute params' shapes from the masters'."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, tx.compute_dtype), shapes)
+
+
+# --- The streamed optimizer step ----------------------------------------------------------
+
+def _in_layers(path) -> bool:
+    return bool(path) and getattr(path[0], "key", None) == LAYERS
+
+
+def _kinds(tx: Offload, params):
+    """Flat lists: each parameter leaf in the layers (True) or not; each optimizer-state leaf
+    "L" (a layer parameter's), "R" (another parameter's) or "S" (scalar state)."""
+    in_layers = [_in_layers(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    flags = jax.tree.unflatten(jax.tree.structure(params), in_layers)
+    shapes = jax.eval_shape(tx.inner.init, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, tx.master_dtype), params))
+    kinds = optax.tree_utils.tree_map_params(
+        tx.inner, lambda _, f: "L" if f else "R", shapes, flags,
+        transform_non_params=lambda _: "S",
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return in_layers, jax.tree.leaves(kinds)
+
+
+def _empty(x):
+    return jnp.zeros((0,), x.dtype)
+
+
+def _block(tx: Offload, treedef, sdef, g, m, s, kinds_p, kinds_s):
+    """The element-wise optimizer on one block: flat lists of gradients, masters and state
+    leaves where those outside the block are empty -> (new masters, new state, sum of the
+    updates' squares), as flat lists."""
+    updates, s_new = tx.inner.update(jax.tree.unflatten(treedef, g),
+                                     jax.tree.unflatten(sdef, s),
+                                     jax.tree.unflatten(treedef, m))
+    m_new = optax.apply_updates(jax.tree.unflatten(treedef, m), updates)
+    sq = sum(jnp.sum(jnp.square(u.astype(jnp.float32))) for u in jax.tree.leaves(updates))
+    return jax.tree.leaves(m_new), jax.tree.leaves(s_new), sq
+
+
+def _to_device(x):
+    return jax.device_put(x, jax.memory.Space.Device)
+
+
+def _to_host(x):
+    return jax.device_put(x, jax.memory.Space.Host)
+
+
+def _clip_fn(g_norm, max_norm):
+    """`optax.clip_by_global_norm(max_norm)` as a function of one gradient block, the norm
+    taken over all of them: applied block by block, so no clipped copy of every gradient
+    (7B: 30 GB) exists at once. The same operations as optax's, so the same numbers."""
+    if not max_norm:
+        return lambda t: t
+    trigger = jnp.squeeze(g_norm < max_norm)
+    return lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)
+
+
+def finish(state, grads, tx: Offload):
+    """The optimizer step of an offloaded state on gradients `grads` (on the device) ->
+    (params, opt_state, grads' global norm, updates' global norm)."""
+    grads = jax.tree.map(lambda g: g.astype(tx.master_dtype), grads)
+    grad_norm = optax.global_norm(grads)
+    clip = _clip_fn(grad_norm, tx.clip_norm)
+    masters, inner = state.opt_state
+    in_layers, kinds = _kinds(tx, state.params)
+    treedef, sdef = jax.tree.structure(state.params), jax.tree.structure(inner)
+    g, m, p = (jax.tree.leaves(t) for t in (grads, masters, state.params))
+    s = jax.tree.leaves(inner)
+
+    # The parameters outside the layers (embeddings, final norm, head), in one block; its
+    # state's scalars (step counts, the injected learning rate) are the step's.
+    pick = lambda xs, flags: [_empty(x) if f else _to_device(x) for x, f in zip(xs, flags)]  # noqa: E731
+    m_r, s_r, sq = _block(tx, treedef, sdef,
+                          [_empty(x) if f else clip(x) for x, f in zip(g, in_layers)],
+                          pick(m, in_layers), [x if k == "S" else _empty(x) if k == "L"
+                                               else _to_device(x) for x, k in zip(s, kinds)],
+                          in_layers, kinds)
+    m = [x if f else _to_host(y) for x, y, f in zip(m, m_r, in_layers)]
+    p = [x if f else y.astype(x.dtype) for x, y, f in zip(p, m_r, in_layers)]
+    s_out = [y if k == "S" else _to_host(y) if k == "R" else x for x, y, k in zip(s, s_r, kinds)]
+    n_layers = next((x.shape[0] for x, f in zip(g, in_layers) if f), 0)
+
+    def layer(i, carry):
+        m, s_l, p, sq = carry
+        take = lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # noqa: E731
+        put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0)  # noqa: E731
+        m_i, s_i, sq_i = _block(
+            tx, treedef, sdef, [clip(take(x)) if f else _empty(x) for x, f in zip(g, in_layers)],
+            [_to_device(take(x)) if f else _empty(x) for x, f in zip(m, in_layers)],
+            [x if k == "S" else _to_device(take(y)) if k == "L" else _empty(y)
+             for x, y, k in zip(s, s_l, kinds)], in_layers, kinds)
+        m = [put(x, _to_host(y)) if f else x for x, y, f in zip(m, m_i, in_layers)]
+        s_l = [put(x, _to_host(y)) if k == "L" else x for x, y, k in zip(s_l, s_i, kinds)]
+        p = [put(x, y.astype(x.dtype)) if f else x for x, y, f in zip(p, m_i, in_layers)]
+        return m, s_l, p, sq + sq_i
+
+    # The loop carries only the layers' buffers (each updated in place, one slice a layer).
+    m, s_out, p, sq = jax.lax.fori_loop(0, n_layers, layer, (m, s_out, p, sq))
+    return (jax.tree.unflatten(treedef, p),
+            OffloadState(jax.tree.unflatten(treedef, m), jax.tree.unflatten(sdef, s_out)),
+            grad_norm, jnp.sqrt(sq))
