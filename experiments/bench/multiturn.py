@@ -177,8 +177,12 @@ def main():
     params = init_params(cfg, jax.random.key(0))
     engine, prompts, lengths, obs, limit = build(a, cfg)
     dparams = engine.decode_params(params)
-    # The observation prefill's programs (both row counts), which a run may not all reach.
-    engine.keep_state(engine.compile_extend(dparams, engine.take_state(), [a.obs]))
+    # Every program up front (the loop's engine does the same): the prompt prefill's shapes,
+    # the decode widths and the observation prefill's row counts, which one run may not all
+    # reach.
+    state = engine.compile_prefill(dparams, engine.take_state())
+    state = engine.compile_decode(dparams, state, a.steps_per_call)
+    engine.keep_state(engine.compile_extend(dparams, state, [a.obs]))
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
           f"{cfg.num_params() / 1e9:.3f}B params; {a.n} trajectories x {a.turns} turns of "
           f"{a.turn_min}-{a.turn_max} tokens, {a.obs}-token observations, {a.slots} slots",
