@@ -417,9 +417,10 @@ def finish(r: Rollout, stats: Optional[dict]) -> Result:
                 time.perf_counter() - r.t_decode0 - r.t_prefill_decoding)
     unfinished, kept = _cut_short(r) if r.stopped else ((), {})
     r.engine.keep_state(r.device)
+    rep = report(r, t_decode)
     if stats is not None:
-        stats.update(report(r, t_decode))
-    return Result(r.results, unfinished, kept, r.masks, r.ends)
+        stats.update(rep)
+    return Result(r.results, unfinished, kept, r.masks, r.ends, rep)
 
 
 def _cut_short(r: Rollout) -> tuple[tuple, dict]:
