@@ -131,8 +131,10 @@ def main():
     for spec, (name, _, _) in zip(a.arm or ["grpo=", "ppo=ppo"], arms):
         d = os.path.join(a.workdir, name)
         shutil.rmtree(d, ignore_errors=True)
-        shutil.copytree(os.path.join(sft, "checkpoints", str(sft_steps)),
-                        os.path.join(d, "checkpoints", str(sft_steps)))
+        for item in (str(sft_steps), "tokenizer"):  # the tokenizer the SFT trained
+            if os.path.isdir(os.path.join(sft, "checkpoints", item)):
+                shutil.copytree(os.path.join(sft, "checkpoints", item),
+                                os.path.join(d, "checkpoints", item))
         log = open(os.path.join(a.workdir, f"{name}.log"), "w")
         procs.append(subprocess.Popen(
             ["nice", "-n", str(a.nice), sys.executable, os.path.abspath(__file__),
