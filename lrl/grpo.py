@@ -17,8 +17,8 @@ swapped alone:
 
 `step` is `collect.collect` then `learn` (everything from `shape_overlong` on), which the
 one-step-off pipeline (`lrl.pipeline`) calls on a batch it sampled a step ahead.
-With `rollout.partial`, `collect.collect_partial` takes `collect`'s place: the rollout stops
-on its budget and the groups still running are carried into the next step
+With `rollout.partial`, `collect_partial.collect_partial` takes `collect`'s place: the
+rollout stops on its budget and the groups still running are carried into the next step
 (`lrl.rollout.partial`); the step takes them in and hands the new carry back, and `learn`
 trains however many groups completed.
 
@@ -45,9 +45,9 @@ from typing import Optional
 import jax
 import numpy as np
 
-from lrl import collect, compiles, distributed, ppo, rl
+from lrl import collect, collect_partial, compiles, distributed, ppo, rl
 from lrl import mesh as mesh_lib
-from lrl.collect import Groups
+from lrl.groups import Groups
 from lrl.step_setup import Setup
 from lrl.data import packing, shared_prompt
 from lrl.rl import mismatch
@@ -382,8 +382,8 @@ def step(s: Setup, state, it, step_index: int, carry: Optional[tuple] = None):
     whose budget ended before any group finished trains nothing."""
     before = compiles.snapshot()
     if s.rollout.partial:
-        groups, m, carry = collect.collect_partial(s, state.params, it, step_index,
-                                                    carry or ())
+        groups, m, carry = collect_partial.collect_partial(s, state.params, it, step_index,
+                                                           carry or ())
     else:
         groups, m = collect.collect(s, state.params, it, step_index)
     state, m = learn(s, state, groups, m, before)

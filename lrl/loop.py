@@ -24,7 +24,8 @@ from lrl import console
 from lrl import distributed
 from lrl import errors
 from lrl import experiment as ex
-from lrl import collect, grpo, ppo, step_setup, tasks, wandb_sink
+from lrl import grpo, ppo, step_setup, tasks, wandb_sink
+from lrl.groups import Groups
 from lrl import pipeline as pipeline_lib
 from lrl import preflight
 from lrl import mesh as mesh_lib
@@ -616,7 +617,7 @@ def _restore_carry(r: Run, data_state: dict, where: str):
     return None, dropped
 
 
-def _samples(groups: collect.Groups, n: int) -> list[dict]:
+def _samples(groups: Groups, n: int) -> list[dict]:
     G = groups.group_size
     return [{"prompt": groups.prompts[i // G].text, "completion": groups.texts[i],
              "reward": float(groups.rewards_PG.flat[i]),

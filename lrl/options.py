@@ -653,7 +653,7 @@ def _check_partial(o: Options) -> None:
     """What partial rollouts (`rollout.partial`) cannot run with: the video task. (With
     `rl.dynamic_sampling` a partial step drops the complete groups whose rewards are all
     equal and rolls on for informative ones; reinforce_pp whitens over the samples a step
-    trains, however many: `lrl.collect.partial_rollout`, `lrl.grpo.advantages`.)"""
+    trains, however many: `lrl.collect_partial.partial_rollout`, `lrl.grpo.advantages`.)"""
     ro = o.rollout
     if not ro.partial:
         for name in ("partial_tokens", "partial_tail", "partial_seconds"):

@@ -45,6 +45,7 @@ import numpy as np
 
 from lrl import checkpoint as ckpt_lib
 from lrl import collect, compiles, grpo, step_setup, tasks
+from lrl.groups import Groups
 from lrl import mesh as mesh_lib
 from lrl.models import params as params_lib
 from lrl.rollout import weights as weights_lib
@@ -90,7 +91,7 @@ def handover(params, mesh, rollout_mesh) -> Handover:
 @dataclasses.dataclass(frozen=True)
 class Batch:
     """One step's batch, sampled and scored ahead of its update."""
-    groups: collect.Groups
+    groups: Groups
     metrics: dict                  # the rollout's and the rewards' (numbers)
 
 
@@ -181,7 +182,7 @@ def from_state(d: dict) -> Batch:
                 and all(c.shape == x.shape for c, x in zip(completions, logps))):
             raise ValueError(f"{len(prompts)} prompts x {G} samples do not match the saved "
                              "completions, log-probs, rewards and ages")
-        groups = collect.Groups(prompts, completions, logps, G,
+        groups = Groups(prompts, completions, logps, G,
                                 np.asarray(d["truncated"], bool), tuple(d["texts"]),
                                 rewards.reshape(len(prompts), G),
                                 np.asarray(d["ages"], np.int32),

@@ -1,5 +1,5 @@
 """`Setup`: what every GRPO step uses, built once where the loop is built (`lrl.loop.build_grpo`)
-and handed to both halves of the step, the collection (`lrl.collect`) and the learning
+and handed to both halves of the step, the collection (`lrl.collect`, `lrl.collect_partial`) and the learning
 (`lrl.grpo`): options, the task, the compiled update and log-prob programs, the run's rollout
 engine and the micro-batch shapes. T positions in a row."""
 from __future__ import annotations

@@ -12,6 +12,7 @@ from lrl import collect, config_util, grpo, loop, models, options, step_setup
 from lrl import mesh as mesh_lib
 from lrl.rewards import register
 from lrl.rollout import sp_prefill
+from lrl.groups import Groups
 from lrl.tasks import Prompt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +29,7 @@ def _groups(rewards_PG, lengths, max_new=8):
     P, G = rewards_PG.shape
     prompts = tuple(Prompt(np.arange(1, 4, dtype=np.int32), str(p), {}, "") for p in range(P))
     comps = tuple(np.full(n, 7, np.int32) for n in lengths)
-    return collect.Groups(prompts, comps, tuple(np.zeros(n, np.float32) for n in lengths), G,
+    return Groups(prompts, comps, tuple(np.zeros(n, np.float32) for n in lengths), G,
                           np.array([n >= max_new for n in lengths]),
                           texts=tuple("x" * n for n in lengths), rewards_PG=rewards_PG)
 
@@ -48,7 +49,7 @@ def test_shaping_and_selection_return_new_groups():
         g.rewards_PG = None
     kept = g.take(collect.informative(g.rewards_PG))
     assert kept.P == 1 and kept.prompts[0].answer == "0" and len(kept.completions) == 2
-    both = collect.Groups.concat([kept, g.take(np.array([False, True]))])
+    both = Groups.concat([kept, g.take(np.array([False, True]))])
     assert [p.answer for p in both.prompts] == ["0", "1"] and both.rewards_PG.shape == (2, 2)
     assert both.texts == ("x" * 8, "xxx", "x" * 8, "xxxxx")
 

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from lrl import collect, compiles, config_util, loop, models, options, rollout, step_setup
+from lrl import collect, collect_partial, compiles, config_util, loop, models, options, rollout, step_setup
 from lrl.rollout import partial
 from lrl.tasks import Prompt
 
@@ -66,7 +66,7 @@ def test_greedy_partial_rollout_over_steps_equals_one_uninterrupted_rollout():
     carry, trained, steps, spans = (), {}, 0, []
     new = prompts
     while len(trained) < len(prompts):
-        groups, carry, m = collect.partial_rollout(s, params, carry, new, steps, seed=steps)
+        groups, carry, m = collect_partial.partial_rollout(s, params, carry, new, steps, seed=steps)
         new, steps = [], steps + 1
         if steps == 1:   # the budget stopped the first step with samples half done, some unbegun
             assert m["partial/trained_groups"] == 0 and m["partial/carried_samples"] == 6
@@ -98,7 +98,7 @@ def _run_steps(s, params, prompts):
     metrics)."""
     carry, trained, rows, new = (), {}, [], prompts
     while len(trained) < len(prompts):
-        groups, carry, m = collect.partial_rollout(s, params, carry, new, len(rows),
+        groups, carry, m = collect_partial.partial_rollout(s, params, carry, new, len(rows),
                                                    seed=len(rows), stats=(st := {}))
         new = []
         rows.append({**m, **{f"rollout/{k}": v for k, v in st.items() if np.isscalar(v)}})
@@ -153,11 +153,11 @@ def test_a_pool_too_small_to_keep_every_carried_sample_prefills_some_to_the_same
 def test_kept_pages_of_a_group_dropped_as_stale_are_released():
     s = _with_engine(_setup(max_slots=8, partial_tokens=1, max_staleness=2, prompts_per_step=2))
     params = _params(1)
-    _, carry, m = collect.partial_rollout(s, params, (), _prompts((6, 8)), 0, seed=0)
+    _, carry, m = collect_partial.partial_rollout(s, params, (), _prompts((6, 8)), 0, seed=0)
     assert m["partial/carried_samples"] == 4 and len(s.engine.kept) == 4
     assert all(s.engine.holds(x.kept) for g in carry for x in g.samples)
     assert not s.engine.pool.all_free()
-    _, kept, m = collect.partial_rollout(s, params, carry, [], 3, seed=3)
+    _, kept, m = collect_partial.partial_rollout(s, params, carry, [], 3, seed=3)
     assert m["partial/dropped_stale_groups"] == 2 and kept == ()
     assert s.engine.pool.all_free() and not s.engine.kept
     s.engine.keep_state(s.engine.take_state())   # the invariant holds: nothing leaked
@@ -173,13 +173,13 @@ def test_a_partial_rollout_stops_in_its_tail_and_the_next_step_finishes_it():
     s = dataclasses.replace(s, max_new_fn=lambda key: 3 if key[1] == 0 else MAX_NEW)
     params, prompts = _params(1), _prompts()
     want = collect.rollout_groups(s, params, prompts, group_size=2, seed=0)
-    groups, carry, m = collect.partial_rollout(s, params, (), prompts, 0, seed=0, stats=(st := {}))
+    groups, carry, m = collect_partial.partial_rollout(s, params, (), prompts, 0, seed=0, stats=(st := {}))
     assert st["stopped_in_tail"] == 1 and groups.P == 0
     assert m["partial/carried_samples"] == 3
     assert all(0 < x.tokens.size < MAX_NEW for g in carry for x in g.samples if not x.done)
     trained, step = {}, 1
     while len(trained) < len(prompts):
-        groups, carry, m = collect.partial_rollout(s, params, carry, [], step, seed=step)
+        groups, carry, m = collect_partial.partial_rollout(s, params, carry, [], step, seed=step)
         for g in range(groups.P):
             trained[groups.prompts[g].answer] = groups.completions[2 * g:2 * g + 2]
         step += 1
@@ -194,7 +194,7 @@ def test_carried_tokens_keep_the_log_probs_and_versions_of_the_policy_that_drew_
     s = _setup(max_slots=8, partial_tokens=1, prompts_per_step=2)
     a, b = _params(1), _params(2)
     prompts = _prompts((6, 8))
-    groups, carry, m = collect.partial_rollout(s, a, (), prompts, 0, seed=0)
+    groups, carry, m = collect_partial.partial_rollout(s, a, (), prompts, 0, seed=0)
     assert groups.P == 0 and m["partial/carried_samples"] == 4
     ref_a = rollout.generate(TINY, a, [p.ids for p in prompts], max_new_tokens=MAX_NEW,
                              num_samples=2, page_size=4)
@@ -208,7 +208,7 @@ def test_carried_tokens_keep_the_log_probs_and_versions_of_the_policy_that_drew_
             np.testing.assert_allclose(x.logps, ref_a[p][g][1][:k], atol=1e-5)
     first = carry
     s = dataclasses.replace(s, rollout=dataclasses.replace(s.rollout, partial_tokens=0))
-    groups, carry, m = collect.partial_rollout(s, b, first, [], 1, seed=1)
+    groups, carry, m = collect_partial.partial_rollout(s, b, first, [], 1, seed=1)
     assert groups.P == 2 and carry == () and m["partial/version_span_mean"] == 1.0
     assert groups.sample_ages().tolist() == [1, 1, 1, 1] and m["partial/age_max"] == 1
     for p, grp in enumerate(first):
@@ -240,11 +240,11 @@ def test_the_staleness_cap_drops_and_counts_whole_groups():
     # Through a step: what the first step carries is 3 versions old at step 3, cap 2.
     s = _setup(max_slots=8, partial_tokens=1, max_staleness=2, prompts_per_step=2)
     params = _params(1)
-    _, carry, m0 = collect.partial_rollout(s, params, (), _prompts((6, 8)), 0, seed=0)
+    _, carry, m0 = collect_partial.partial_rollout(s, params, (), _prompts((6, 8)), 0, seed=0)
     assert m0["partial/carried_age_max"] == 0 and m0["partial/carried_samples"] == 4
-    groups, _, m = collect.partial_rollout(s, params, carry, [], 2, seed=2)
+    groups, _, m = collect_partial.partial_rollout(s, params, carry, [], 2, seed=2)
     assert m["partial/dropped_stale_groups"] == 0 and groups.sample_ages().tolist() == [2] * 4
-    _, kept, m = collect.partial_rollout(s, params, carry, [], 3, seed=3)
+    _, kept, m = collect_partial.partial_rollout(s, params, carry, [], 3, seed=3)
     assert m["partial/dropped_stale_groups"] == 2 and m["partial/dropped_stale_samples"] == 4
     assert kept == () and m["partial/carried_samples"] == 0
 
@@ -256,11 +256,11 @@ def test_a_time_budget_stops_the_rollout_and_the_next_step_goes_on():
     s = _setup(max_slots=8, partial_tokens=0, prompts_per_step=3, partial_seconds=1e-9)
     params, prompts = _params(1), _prompts()
     want = collect.rollout_groups(s, params, prompts, group_size=2, seed=0)
-    groups, carry, m = collect.partial_rollout(s, params, (), prompts, 0, seed=0)
+    groups, carry, m = collect_partial.partial_rollout(s, params, (), prompts, 0, seed=0)
     assert groups.P == 0 and m["partial/carried_samples"] == 6
     assert all(0 < x.tokens.size < MAX_NEW for g in carry for x in g.samples)
     s = dataclasses.replace(s, rollout=dataclasses.replace(s.rollout, partial_seconds=0.0))
-    groups, carry, m = collect.partial_rollout(s, params, carry, [], 1, seed=1)
+    groups, carry, m = collect_partial.partial_rollout(s, params, carry, [], 1, seed=1)
     assert groups.P == 3 and not carry
     np.testing.assert_array_equal(np.concatenate(groups.completions),
                                   np.concatenate(want.completions))

@@ -21,6 +21,7 @@ import pytest
 from lrl import checkpoint as ckpt_lib
 from lrl import collect, config_util, experiment, loop, models, pipeline, rewards
 from lrl import metrics as metrics_lib
+from lrl.groups import Groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -207,7 +208,7 @@ def test_the_batch_sampled_ahead_round_trips_through_the_data_state():
                Prompt(np.array([6], np.int32), "1", {}, "6"))
     logps = tuple(np.random.RandomState(i).randn(n).astype(np.float32)
                   for i, n in enumerate((2, 1, 3, 2)))
-    groups = collect.Groups(prompts, tuple(np.arange(len(x), dtype=np.int32) for x in logps),
+    groups = Groups(prompts, tuple(np.arange(len(x), dtype=np.int32) for x in logps),
                             logps, 2, np.array([0, 1, 0, 0], bool), ("a", "b", "c", "d"),
                             np.array([[0.1, 0.2], [0.3, 1 / 3]], np.float32),
                             np.ones(4, np.int32))
