@@ -707,7 +707,7 @@ def _check_budget(o: Options) -> None:
 
 def _check_pipeline(o: Options) -> None:
     """What the one-step-off pipeline (`pipeline.*`) cannot run with; the device counts are
-    checked where the meshes are built (`lrl.experiment.build_meshes`), still before any
+    checked where the meshes are built (`lrl.mesh.build_meshes`), still before any
     compile."""
     p = o.pipeline
     if not p.rollout_devices:

@@ -266,15 +266,16 @@ def test_warm_up_compiles_the_shapes_not_run_yet_and_changes_nothing():
                                   np.ones(8, np.float32))
     assert {mb["tokens"].shape for b in batches for mb in b.micro} == {(2, 32), (1, 32)}
     before = compiles.snapshot()
-    grpo.warm_up(s, params, batches)
+    live = step_setup.Live()
+    grpo.warm_up(s, live, params, batches)
     new = compiles.since(before)
-    assert s.warmed == {(2, 32), (1, 32), (1, 16)}
+    assert live.warmed == {(2, 32), (1, 32), (1, 16)}
     # [1, 16] through each program once (the step's own shapes compile in the step)
     assert new["jit(_accumulate)"] == new["jit(logprobs)"] == 1 and "jit(_apply)" not in new
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(before_params)):
         np.testing.assert_array_equal(np.asarray(a), b)
     before = compiles.snapshot()
-    grpo.warm_up(s, params, batches)
+    grpo.warm_up(s, live, params, batches)
     assert not compiles.since(before)
 
 

@@ -303,7 +303,10 @@ def test_partial_options_are_checked():
         options.from_config(v, check_files=False)
 
 
-def _loop_config(monkeypatch, steps, first_long=0):
+def _loop_config(steps, first_long=0):
+    """-> (a tiny partial-rollout config, the phase's build with its samples' lengths forced:
+    `loop.run(c, workdir, build=build)`)."""
+    from lrl import build as build_lib
     from tests.test_loop import tiny_config
     c = tiny_config()
     c.rl.max_new_tokens = 48
@@ -315,7 +318,6 @@ def _loop_config(monkeypatch, steps, first_long=0):
     # the token budget alone stops a step (not the default tail share)
     c.rollout.update(partial=True, partial_tokens=32, max_staleness=2, partial_tail=0.0)
     rng = np.random.default_rng(0)
-    build = loop.build_grpo
     drawn = []
 
     def length(sample_id):
@@ -327,10 +329,10 @@ def _loop_config(monkeypatch, steps, first_long=0):
     def with_varied_lengths(*args):
         # A random policy never ends by itself: each decode run of a sample ends after 1..48
         # tokens (two decode calls, the budget's, take 32 at most: the rest is carried).
-        return dataclasses.replace(build(*args), max_new_fn=length)
+        s, live = build_lib.grpo(*args)
+        return dataclasses.replace(s, max_new_fn=length), live
 
-    monkeypatch.setattr(loop, "build_grpo", with_varied_lengths)
-    return c
+    return c, with_varied_lengths
 
 
 def _rows(workdir):
@@ -340,9 +342,9 @@ def _rows(workdir):
 @pytest.mark.slow
 def test_tiny_loop_runs_with_partial_rollouts_and_compiles_nothing_after_step_two(
         tmp_path, monkeypatch):
-    c = _loop_config(monkeypatch, steps=6)
+    c, build = _loop_config(steps=6)
     before = compiles.snapshot()
-    loop.run(c, str(tmp_path))
+    loop.run(c, str(tmp_path), build=build)
     steps = [r for r in _rows(tmp_path) if "compiles/step" in r]
     assert len(steps) == 6
     assert sum(r["partial/carried_samples"] for r in steps) > 0
@@ -365,7 +367,7 @@ def test_tiny_loop_runs_with_partial_rollouts_and_compiles_nothing_after_step_tw
     assert decode and all(v == 1 for v in decode.values()), decode
 
 
-def _run_cut(workdir, c, monkeypatch, at):
+def _run_cut(workdir, c, build, monkeypatch, at):
     """Runs `c` in `workdir`, SIGTERMed once step `at` is logged (the handler only sets a
     flag: the loop saves that step and stops), then resumed to the end. -> the rows the cut
     run logged before the resume."""
@@ -379,10 +381,10 @@ def _run_cut(workdir, c, monkeypatch, at):
         return scalars
 
     monkeypatch.setattr(metrics_lib.MetricsWriter, "write", write_then_sigterm)
-    loop.run(c, str(workdir))
+    loop.run(c, str(workdir), build=build)
     cut = _rows(workdir)
     monkeypatch.setattr(metrics_lib.MetricsWriter, "write", write)
-    loop.run(c, str(workdir))
+    loop.run(c, str(workdir), build=build)
     return cut
 
 
@@ -403,21 +405,21 @@ def test_resume_after_sigterm_with_carried_samples_equals_the_uninterrupted_run(
     running), covering a partial step without an update through the loop and its console.
     No KV is saved: the resumed run prefills its carried samples again, so both runs do
     (kept pages would give the uninterrupted run's sampler slightly other log-probs)."""
-    c = _loop_config(monkeypatch, steps=5, first_long=8)
+    c, build = _loop_config(steps=5, first_long=8)
     c.rollout.partial_keep_kv = False
     # one batch a step: the first step's 8 samples are all long (with a backlog, the second
     # batch's short ones would finish groups in it)
     c.rollout.partial_backlog = 0.0
-    loop.run(c, str(tmp_path / "straight"))
+    loop.run(c, str(tmp_path / "straight"), build=build)
     want = _rows(tmp_path / "straight")
     restore = loop._restore_carry
     resumed = []
     monkeypatch.setattr(loop, "_restore_carry",
                         lambda *a: resumed.append(restore(*a)) or resumed[-1])
-    c = _loop_config(monkeypatch, steps=5, first_long=8)   # the same lengths drawn again
+    c, build = _loop_config(steps=5, first_long=8)   # the same lengths drawn again
     c.rollout.partial_keep_kv = False
     c.rollout.partial_backlog = 0.0
-    first, second, third = _run_cut(tmp_path / "cut", c, monkeypatch, at=3)
+    first, second, third = _run_cut(tmp_path / "cut", c, build, monkeypatch, at=3)
     assert first["partial/trained_groups"] == 0 and "loss" not in first
     assert first["partial/carried_samples"] > 0    # (a sample may draw the end token)
     assert second["partial/trained_groups"] > 0 and np.isfinite(second["loss"])
@@ -450,8 +452,8 @@ def test_a_checkpoint_without_carried_groups_drops_its_carried_samples_and_count
     real = loop._carried
     monkeypatch.setattr(loop, "_carried",
                         lambda carry: {k: v for k, v in real(carry).items() if k != "carried"})
-    c = _loop_config(monkeypatch, steps=4, first_long=8)
-    *_, third = _run_cut(tmp_path, c, monkeypatch, at=3)
+    c, build = _loop_config(steps=4, first_long=8)
+    *_, third = _run_cut(tmp_path, c, build, monkeypatch, at=3)
     carried = third["partial/carried_samples"]
     assert carried > 0
     rows = _rows(tmp_path)

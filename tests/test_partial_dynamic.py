@@ -126,11 +126,11 @@ def test_a_partial_steps_reinforce_pp_whitens_over_its_own_samples_with_no_new_c
 
 
 @pytest.mark.slow
-def test_tiny_loop_runs_partial_rollouts_with_dynamic_sampling(tmp_path, monkeypatch):
-    c = _loop_config(monkeypatch, steps=5)
+def test_tiny_loop_runs_partial_rollouts_with_dynamic_sampling(tmp_path):
+    c, build = _loop_config(steps=5)
     c.rl.dynamic_sampling = True
     c.rollout.partial_tokens = 0   # rounds go on until the kept groups are in hand
-    loop.run(c, str(tmp_path))
+    loop.run(c, str(tmp_path), build=build)
     steps = [r for r in _rows(tmp_path) if "compiles/step" in r]
     assert len(steps) == 5
     P = c.rl.prompts_per_step
@@ -147,13 +147,13 @@ def test_tiny_loop_runs_partial_rollouts_with_dynamic_sampling(tmp_path, monkeyp
 
 @pytest.mark.slow
 def test_tiny_loop_runs_partial_rollouts_with_reinforce_pp(tmp_path, monkeypatch):
-    c = _loop_config(monkeypatch, steps=5)
+    c, build = _loop_config(steps=5)
     c.rl.estimator = "reinforce_pp"
     c.rollout.partial_backlog = 0.0   # no samples waiting: some steps finish fewer groups
     seen, real = [], grpo.advantages
     monkeypatch.setattr(grpo, "advantages", lambda groups, *a, **k: seen.append(
         (groups, real(groups, *a, **k))) or seen[-1][1])
-    loop.run(c, str(tmp_path))
+    loop.run(c, str(tmp_path), build=build)
     steps = [r for r in _rows(tmp_path) if "compiles/step" in r]
     assert len(steps) == 5 and len(seen) == sum(r["partial/trained_groups"] > 0 for r in steps)
     assert any(g.P < c.rl.prompts_per_step for g, _ in seen)
