@@ -1,16 +1,15 @@
 """Everything that turns the options into what the loop runs, in the order it runs (as
-big_vision's `main()` reads): the options and meshes (`preflight.start` calls these before
-anything is written), the optimizers and the train states' shardings, the reward pool, then a
-GRPO phase's `Setup` — the update's model config and programs, the frozen reference, PPO's
-critic, the micro-batch token budget, the rollout engine in what that budget leaves, the
-log-prob pass and the sequence-parallel prefill — and, with `pipeline.rollout_devices`, the
-one-step-off pipeline's rollout half. What differs between text and video (tokenizer, model,
-prompts) is the task's (`lrl.tasks.build`, which the loop calls between the meshes and the
-rest).
+big_vision's `main()` reads): the options (the meshes come from `lrl.mesh.build_meshes`, which
+`preflight.start` calls before anything is written; the task from `lrl.tasks.build`, which
+the loop calls next: what differs between text and video), the optimizers and the train
+states' shardings, the reward pool, then a GRPO phase's `Setup` — the update's model config
+and programs, the frozen reference, PPO's critic, the micro-batch token budget, the rollout
+engine in what that budget leaves, the log-prob pass and the sequence-parallel prefill — and,
+with `pipeline.rollout_devices`, the one-step-off pipeline's rollout half.
 
-    options -> meshes -> [task] -> optimizers -> restore_targets / train_state
-    grpo: update_model_config -> update programs -> reference -> _ppo -> _token_budget
-          (the smallest micro-batch's need -> _engine in what it leaves -> the budget)
+    options -> [meshes, task] -> optimizers -> restore_targets / train_state -> reward_pool
+    grpo: update_model_config -> update programs -> reference -> _ppo -> the smallest
+          micro-batch's need (_need_fn) -> _engine in what it leaves -> _token_budget
           -> log-prob pass, prefill -> (Setup, Live)
     pipeline: handover -> _engine on the rollout mesh -> Pipeline
 

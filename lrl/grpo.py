@@ -4,7 +4,8 @@ collects G samples per prompt and scores them (`lrl.collect`, with dynamic sampl
 minibatches of samples, packs each into rows and micro-batches of a few fixed shapes, takes
 the old and reference log-probs, and runs the updates. The device half (the update and
 log-prob programs, compiled once for each micro-batch shape, and the rollout engine) is built
-once by the loop and handed in as `Setup` (`lrl.step_setup`).
+once (`lrl.build.grpo`) and handed in as `Setup` (`lrl.step_setup`), with `Live`, what the
+steps change: PPO's state and the micro-batch shapes run so far.
 
 Each stage is a module-level function of plain values that returns new values (`Groups` is
 frozen), so the order of calls is the data flow below and each stage can be read, tested and

@@ -7,9 +7,14 @@ video is the task (`lrl.tasks`); one GRPO step's host half is `lrl.grpo.step`, o
 `pipeline.rollout_devices` `lrl.pipeline.step` (the rollout a step ahead on its own mesh).
 Everything the phases run is built by `lrl.build` (the GRPO phase's `Setup` by `build.grpo`,
 once per phase); the loop only loops. `run` takes the phase's build and step functions as
-arguments, so a benchmark or a test wraps them (a forced sample length, a profiled step):
+arguments, so a benchmark or a test wraps them (a forced sample length, a profiled step)
+rather than reassigning module attributes:
 
-    loop.run(config, workdir, build=lambda *a: with_lengths(*build.grpo(*a)))
+    def with_lengths(*args):
+        s, live = build.grpo(*args)
+        return dataclasses.replace(s, max_new_fn=lengths), live
+
+    loop.run(config, workdir, build=with_lengths, step=profiled(grpo.step))
 """
 from __future__ import annotations
 
