@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from lrl import checkpoint as ck
-from lrl import config_util, experiment, models
+from lrl import build, config_util, models
+from lrl.rl import optim as optim_lib
 from lrl import mesh as mesh_lib
 from lrl.rl import offload, optim
 from lrl.rl import train as train_lib
@@ -195,17 +196,17 @@ def test_qwen2_5_math_7b_offloads_on_one_h200_and_1_5b_does_not(size, want):
 def test_config_field_builds_the_offloaded_optimizer():
     """optim.offload reaches the optimizer the loop builds; on CPU "auto" stays off."""
     c = config_util.load(_CONFIGS + "default.py", "runlocal")
-    opts = experiment.options(c, check_files=False)
+    opts = build.options(c, check_files=False)
     assert opts.optim.offload == "auto"
-    assert experiment.offload(opts.optim, CFG, None)[0] is None   # CPU: off
+    assert build.offload(opts.optim, CFG, None)[0] is None   # CPU: off
     c.optim.offload = "on"
-    opts = experiment.options(c, check_files=False)
-    cfg_, _ = experiment.offload(opts.optim, CFG, None)
-    tx = experiment.optimizer(opts.optim, 10, offload_cfg=cfg_)
+    opts = build.options(c, check_files=False)
+    cfg_, _ = build.offload(opts.optim, CFG, None)
+    tx = optim_lib.for_phase(opts.optim, 10, offload_cfg=cfg_)
     assert offload.is_offload(tx) and tx.clip_norm == c.optim.clip_norm
     c.critic.optim.offload = "on"
     with pytest.raises(ValueError, match="critic.optim.offload"):
-        experiment.options(c, check_files=False)
+        build.options(c, check_files=False)
 
 
 def test_placed_state_is_the_initial_state_leaf_by_leaf():

@@ -80,11 +80,7 @@ def run(c, workdir):
         out[1].update({"bench/train_wall_s": spent["wall"], "bench/train_cpu_s": spent["cpu"]})
         return out
 
-    grpo.step = timed
-    try:
-        loop.run(c, workdir)
-    finally:
-        grpo.step = step
+    loop.run(c, workdir, step=timed)
 
 
 def evals(workdir):
