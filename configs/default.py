@@ -94,7 +94,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.task = "arithmetic"       # synthetic task: kv_retrieval | arithmetic
     c.data.task_kwargs = ml_collections.ConfigDict(dict(  # per task; the chosen task's are used
         arithmetic=dict(num_terms=3, min_terms=2, max_operand=9),
-        kv_retrieval=dict(num_pairs=4, min_pairs=2, key_len=2, value_len=2)))
+        kv_retrieval=dict(num_pairs=4, min_pairs=2, key_len=2, value_len=2),
+        tool_lookup=dict(num_pairs=64, key_len=2, value_len=3)))
     c.data.size = 100_000            # synthetic examples
     c.data.eval_size = 64            # held-out synthetic examples (other seed)
     c.data.eval_paths = ""           # held-out jsonl/parquet for real data
@@ -261,10 +262,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                      # the slots are not full (they drain before the step stops)
         max_staleness=2,             # a carried group whose oldest token is more than this many
                                      # steps old is dropped (and counted), never trained
-        partial_keep_kv=True))       # with partial: a carried sample's KV pages stay in the
+        partial_keep_kv=True,        # with partial: a carried sample's KV pages stay in the
                                      # engine's pool and it resumes without a prefill (its
                                      # KV then is the old policy's; False: prefilled again
                                      # under the new weights); pages short: prefilled anyway
+        # Multi-turn rollouts with tools (lrl.trajectories, docs/tools-task.md)
+        env="",                      # "" = one response per sample; "tool": the model calls
+                                     # the registered tools (lrl.envs) over several turns
+        max_turns=4,                 # model turns a trajectory has at most
+        max_turn_tokens=0,           # tokens one model turn samples at most; 0 = no cap (the
+                                     # trajectory's cap, rl.max_new_tokens, still holds)
+        tool_timeout_s=10.0,         # an environment step longer than this ends the trajectory
+        turn_reward="sum",           # sum | discount: the trajectory's reward = final + per-turn
+        turn_discount=1.0))          # rewards, each turn's weighed turn_discount ** turn with
+                                     # "discount"
 
     # --- one-step-off pipeline (lrl.pipeline): the rollout samples step t+1 on its own devices
     # while the others update on step t; each step then trains on samples one policy version
@@ -301,7 +312,26 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         # first, at a larger rate than the actor's (verl's examples: 10x), two passes a step.
         c.critic.update(warmup_steps=2, ppo_epochs=2, cliprange_value=0.5)
         c.critic.optim.update(lr=1e-3, warmup_steps=0)
+    elif arg in ("tools", "tools_runlocal"):
+        # Multi-turn with a tool (docs/tools-task.md): the prompt names a key of a 64-pair
+        # table it does not show; the model calls lookup, reads the tool's response and
+        # boxes the value. 30% of the SFT demos skip the tool and box a guess; GRPO learns
+        # that the tool is needed.
+        c.data.task = "tool_lookup"
+        c.tokenizer.vocab_size = 320   # the 4 tool-call tokens on top of the default's merges
+        c.reward.spec = "synthetic:1.0"   # the boxed value of the trajectory's last turn
+        c.sft.update(steps=200, rows=8, row_len=256)
+        c.rl.update(steps=40, prompts_per_step=8, group_size=8, max_new_tokens=64, row_len=256)
+        c.rollout.update(env="tool", max_turns=3, max_turn_tokens=32, max_slots=64)
+        c.eval.update(every=10, num_prompts=32)
+        if arg == "tools_runlocal":   # every part once, in about a minute
+            c.sft.update(steps=20, rows=4, warmup_steps=2)
+            c.rl.update(steps=2, prompts_per_step=2, group_size=4)
+            c.optim.warmup_steps = 1
+            c.eval.update(every=2, num_prompts=4)
+            c.data.eval_size = 4
+            c.reward.num_workers = 0
     elif arg:
         raise ValueError(f"configs/default.py: unknown argument {arg!r}; use 'runlocal', "
-                         "'ppo' or none")
+                         "'ppo', 'tools', 'tools_runlocal' or none")
     return c

@@ -25,9 +25,10 @@ JOBS = ("grpo", "sft")
 TASKS = ("text", "video")
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = {"text": ("synthetic", "jsonl", "parquet"), "video": ("synthetic", "jsonl")}
-TEXT_TASKS = ("arithmetic", "kv_retrieval")
+TEXT_TASKS = ("arithmetic", "kv_retrieval", "tool_lookup")
 VIDEO_TASKS = ("direction", "count")
 OVERLONG = ("none", "mask", "penalty")
+TURN_REWARDS = ("sum", "discount")   # lrl.trajectories.trajectory_reward
 TOKEN_ESTIMATORS = ("gae",)   # token-level estimators that read a critic's values (PPO)
 SHARED_PROMPT = ("off", "on", "auto")   # lrl.data.shared_prompt.MODES (no jax imported here)
 
@@ -377,6 +378,15 @@ class RolloutOptions:
     max_staleness: int = _opt(ge=0)     # policy versions a carried group may span, then dropped
     partial_keep_kv: bool = _opt()      # with partial: carried samples keep their KV pages in
                                         # the pool (else they are prefilled again)
+    # Multi-turn rollouts (lrl.trajectories, lrl.envs): "" = one response per sample
+    env: str = _opt()                   # a registered environment's name (lrl.envs)
+    max_turns: int = _opt(ge=1)         # model turns a trajectory has at most
+    max_turn_tokens: int = _opt(ge=0)   # tokens one model turn samples at most; 0 = no cap
+    tool_timeout_s: float = _opt(gt=0)  # an environment step longer than this ends its
+                                        # trajectory (counted as a timeout)
+    turn_reward: str = _opt(choices=TURN_REWARDS)   # final + per-turn rewards: summed, or
+                                                    # discounted by turn_discount per turn
+    turn_discount: float = _opt(gt=0, le=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -587,6 +597,7 @@ def _check_across(o: Options) -> None:
                          f"1 to rl.max_new_tokens={o.rl.max_new_tokens} tokens")
     _check_budget(o)
     _check_partial(o)
+    _check_env(o)
     if o.metrics.wandb_project:   # before any compile: the sink starts with the run
         from lrl import wandb_sink
         wandb_sink.require(o.metrics.wandb_project)
@@ -665,6 +676,28 @@ def _check_partial(o: Options) -> None:
         raise ValueError(f"rollout.partial=True runs on the text task only, not task={o.task!r}"
                          ": a carried sample is prefilled again from token ids, and a video "
                          "prompt's embeddings are not kept across steps")
+
+
+def _check_env(o: Options) -> None:
+    """What multi-turn rollouts (`rollout.env`) do not run with yet: the video task, PPO's
+    token-level advantages (observation tokens would need values and rewards placed), the
+    one-step-off pipeline, partial rollouts and a reward model (the driver's reward is the
+    trajectory's)."""
+    ro = o.rollout
+    if not ro.env:
+        return
+    if o.task != "text":
+        raise ValueError(f"rollout.env={ro.env!r} runs on the text task only, not task={o.task!r}")
+    for bad, why in ((o.rl.uses_critic, f"rl.estimator={o.rl.estimator!r} (PPO's GAE)"),
+                     (o.pipeline.rollout_devices, "pipeline.rollout_devices > 0"),
+                     (ro.partial, "rollout.partial=True"),
+                     (o.reward.model.hf_path, "reward.model.hf_path")):
+        if bad:
+            raise ValueError(f"rollout.env={ro.env!r} is not built with {why}: multi-turn "
+                             "rollouts train GRPO-family estimators on synchronous steps")
+    if ro.max_turn_tokens > o.rl.max_new_tokens:
+        raise ValueError(f"rollout.max_turn_tokens={ro.max_turn_tokens} > rl.max_new_tokens="
+                         f"{o.rl.max_new_tokens} (the whole trajectory's cap)")
 
 
 def longest_sample(o: Options) -> Optional[int]:
