@@ -33,9 +33,11 @@ TOKEN_ESTIMATORS = ("gae",)   # token-level estimators that read a critic's valu
 SHARED_PROMPT = ("off", "on", "auto")   # lrl.data.shared_prompt.MODES (no jax imported here)
 
 
-def _opt(*, ge=None, gt=None, lt=None, le=None, choices=None):
-    """A field read from the config, with the bounds or choices it must respect."""
-    return dataclasses.field(metadata=dict(ge=ge, gt=gt, lt=lt, le=le, choices=choices))
+def _opt(*, ge=None, gt=None, lt=None, le=None, choices=None, default=dataclasses.MISSING):
+    """A field read from the config, with the bounds or choices it must respect (`default`:
+    what code that builds the options by hand gets when it leaves the field out)."""
+    return dataclasses.field(default=default,
+                             metadata=dict(ge=ge, gt=gt, lt=lt, le=le, choices=choices))
 
 
 def _check_value(key: str, value, meta: Mapping) -> None:
@@ -379,14 +381,15 @@ class RolloutOptions:
     partial_keep_kv: bool = _opt()      # with partial: carried samples keep their KV pages in
                                         # the pool (else they are prefilled again)
     # Multi-turn rollouts (lrl.trajectories, lrl.envs): "" = one response per sample
-    env: str = _opt()                   # a registered environment's name (lrl.envs)
-    max_turns: int = _opt(ge=1)         # model turns a trajectory has at most
-    max_turn_tokens: int = _opt(ge=0)   # tokens one model turn samples at most; 0 = no cap
-    tool_timeout_s: float = _opt(gt=0)  # an environment step longer than this ends its
-                                        # trajectory (counted as a timeout)
-    turn_reward: str = _opt(choices=TURN_REWARDS)   # final + per-turn rewards: summed, or
-                                                    # discounted by turn_discount per turn
-    turn_discount: float = _opt(gt=0, le=1)
+    env: str = _opt(default="")         # a registered environment's name (lrl.envs)
+    max_turns: int = _opt(ge=1, default=4)          # model turns a trajectory has at most
+    max_turn_tokens: int = _opt(ge=0, default=0)    # tokens one model turn samples at most;
+                                                    # 0 = no cap
+    tool_timeout_s: float = _opt(gt=0, default=10.0)  # an environment step longer than this
+                                                      # ends its trajectory (a timeout)
+    turn_reward: str = _opt(choices=TURN_REWARDS, default="sum")  # final + per-turn rewards:
+                                        # summed, or discounted by turn_discount per turn
+    turn_discount: float = _opt(gt=0, le=1, default=1.0)
 
 
 @dataclasses.dataclass(frozen=True)
