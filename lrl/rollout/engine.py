@@ -68,7 +68,8 @@ from lrl.rollout.steps import (DecodeState, EngineConfig, StepOutput, _zero_stat
                                prefill_packed)
 from lrl.rollout.weights import decode_params
 
-__all__ = ["DecodeState", "Engine", "EngineConfig", "Kept", "Prefix", "SlotPlan", "StepOutput"]
+__all__ = ["DecodeState", "Engine", "EngineConfig", "Extension", "Kept", "Prefix", "SlotPlan",
+           "StepOutput"]
 
 
 @dataclasses.dataclass
@@ -115,6 +116,16 @@ class SlotPlan:
     token: int                # the first token it feeds
     rope_delta: int = 0
     remaining: Optional[int] = None   # tokens it samples at most (None: max_new_tokens)
+    steps: int = 0            # tokens its sample sampled before (its draws go on from there)
+
+
+@dataclasses.dataclass
+class Extension:
+    """Tokens to prefill into a slot's pages after the `start` cache positions they hold
+    (`Engine.extend_slot`: a multi-turn sample's last token and observation)."""
+    pages: list[int]
+    start: int
+    tokens: np.ndarray
 
 
 # eq=False: a handle is one sample's, compared by identity.
@@ -472,17 +483,17 @@ class Engine:
         B = self.ecfg.max_slots
         slot = np.full(B, B, np.int32)                  # index B (no slot): dropped
         rows = np.zeros((B, self.ecfg.pages_per_slot), np.int32)
-        length, token, remaining, sample_id, src, dst, delta = (np.zeros(B, np.int32)
-                                                                for _ in range(7))
+        length, token, remaining, sample_id, src, dst, delta, steps = (np.zeros(B, np.int32)
+                                                                       for _ in range(8))
         for i, p in enumerate(plans):
             slot[i], rows[i] = p.slot, self.page_row(p.pages)
             length[i], token[i] = p.length, p.token
             remaining[i] = p.max_new_tokens if p.remaining is None else p.remaining
             sample_id[i] = p.sample_id
             src[i], dst[i] = p.copy_src, p.copy_dst
-            delta[i] = p.rope_delta
+            delta[i], steps[i] = p.rope_delta, p.steps
         return insert_slots(state, slot, rows, length, token, remaining, sample_id, src, dst,
-                            num_layers=self.cfg.n_layers, delta_B=delta)
+                            num_layers=self.cfg.n_layers, delta_B=delta, steps_B=steps)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slots, *, sample_ids=None,
                max_new_tokens: int, last: bool = False) -> DecodeState:
@@ -622,6 +633,82 @@ class Engine:
         self.slot_pages[slot] = pages
         return SlotPlan(slot, None, sample_id, max_new_tokens, pages, NULL_PAGE, NULL_PAGE,
                         kept.length, kept.token, kept.rope_delta)
+
+    def extend_pages(self, kept: Kept, observed: int, new_tokens: int) -> int:
+        """Pages a kept sample lacks to take `observed` tokens and sample `new_tokens` more."""
+        return self.resume_pages(kept, observed + new_tokens)
+
+    def extend_slot(self, kept: Kept, slot: int, sample_id: int, max_new_tokens: int,
+                    observation, first_tokens: Optional[int] = None, steps: int = 0):
+        """A kept (waiting) multi-turn sample back in slot `slot` with `observation`
+        appended: its page row grown for the observation and all it may sample (or its
+        `first_tokens`); nothing of its history is prefilled again. -> (its insert plan,
+        the `Extension` to prefill first: its last sampled token, never cached, and the
+        observation but its last token, which the slot feeds). The handle is spent."""
+        obs = np.asarray(observation, np.int32)
+        n = max_new_tokens if first_tokens is None else max(1, min(first_tokens, max_new_tokens))
+        length = kept.length + obs.size
+        if pages_for(length + n, self.ecfg.page_size) > self.ecfg.pages_per_slot:
+            raise ValueError(f"a sample of {length} cached tokens + {n} new needs more than the "
+                             f"engine's {self.ecfg.pages_per_slot} pages per slot")
+        if self.slot_pages[slot] is not None:
+            raise ValueError(f"slot {slot} is in use; free it first")
+        if not self.holds(kept):
+            raise ValueError("this engine does not hold that kept sample")
+        pages = kept.pages + self.pool.alloc(self.extend_pages(kept, obs.size, n))
+        del self.kept[id(kept)]
+        self.slot_pages[slot] = pages
+        ext = Extension(pages, kept.length,
+                        np.concatenate([[kept.token], obs[:-1]]).astype(np.int32))
+        return SlotPlan(slot, None, sample_id, max_new_tokens, pages, NULL_PAGE, NULL_PAGE,
+                        length, int(obs[-1]), kept.rope_delta, steps=steps), ext
+
+    def extend_chunk(self, n: int) -> int:
+        """C of the call that prefills an extension of n tokens: a power of two from 16 to
+        `prefill_chunk` (longer ones go in chunks of that)."""
+        return min(self.ecfg.prefill_chunk, max(16, 1 << max(0, n - 1).bit_length()))
+
+    def run_extend(self, params, state: DecodeState, extensions) -> DecodeState:
+        """Prefills each extension's tokens into its pages after the positions they hold, in
+        `prefill_chunk` calls [R, C] that attend to the pages already written: C
+        `extend_chunk`'s, R = turn_prefill_tokens // C rows (1 to max_slots), so one program
+        per C whatever the number of samples (`compile_extend` compiles them up front)."""
+        kp, vp = state.k_pages, state.v_pages
+        by_chunk: dict[int, list] = {}
+        for x in extensions:
+            by_chunk.setdefault(self.extend_chunk(len(x.tokens)), []).append(x)
+        for C, group in sorted(by_chunk.items()):
+            for start in range(0, max(len(x.tokens) for x in group), C):
+                for part in _batches([x for x in group if len(x.tokens) > start],
+                                     self._extend_rows(C)):
+                    kp, vp = self._extend_call(params, kp, vp, part, start, C)
+        return state._replace(k_pages=kp, v_pages=vp)
+
+    def compile_extend(self, params, state: DecodeState, lengths) -> DecodeState:
+        """Runs the observation prefill's calls for extensions of `lengths` tokens once on
+        empty rows (every token written to the null page). -> the state."""
+        kp, vp = state.k_pages, state.v_pages
+        for C in sorted({self.extend_chunk(n) for n in lengths}):
+            kp, vp = self._extend_call(params, kp, vp, [], 0, C)
+        return state._replace(k_pages=kp, v_pages=vp)
+
+    def _extend_rows(self, C: int) -> int:
+        return max(1, min(self.ecfg.max_slots, self.ecfg.turn_prefill_tokens // C))
+
+    def _extend_call(self, params, kp, vp, extensions, at: int, C: int):
+        """One `prefill_chunk` call [R, C]: tokens [at, at + C) of each extension, one a row,
+        at cache positions from its start on."""
+        R = self._extend_rows(C)
+        tokens = np.zeros((R, C), np.int32)
+        start, n_valid = np.zeros(R, np.int32), np.zeros(R, np.int32)
+        table = np.full((R, self.ecfg.pages_per_slot), NULL_PAGE, np.int32)
+        for r, x in enumerate(extensions):
+            chunk = x.tokens[at:at + C]
+            tokens[r, :chunk.size] = chunk
+            start[r], n_valid[r] = x.start + at, chunk.size
+            table[r] = self.page_row(x.pages)
+        return prefill_chunk(self.cfg, self.ecfg, params, kp, vp, tokens, start, n_valid, table,
+                             first=False)
 
     def release_kept(self, handles) -> int:
         """Returns kept samples' pages to the pool (each to its own engine's); None and handles

@@ -135,7 +135,7 @@ def engine_for(cfg: ModelConfig, request: Request, *, mesh=None,
         max_new_tokens=request.max_new_tokens, max_slots=B,
         num_pages=_pool_pages(cfg, prompts, request.max_new_tokens,
                               sizes.get("page_size", 16), B, pool_tokens, pool_fraction, mesh),
-        max_prompts=request.P, eos_ids=request.eos_ids, sampling=request.sampling, **sizes)
+        max_prompts=request.P, eos_ids=request.end_ids, sampling=request.sampling, **sizes)
     return Engine(cfg, ecfg, mesh)
 
 

@@ -17,12 +17,18 @@ early, and the samples it cut short are `Result.unfinished`; `kept` resumes samp
 pages an earlier rollout left in the engine's pool, and `keep_kv` leaves this rollout's
 stopped samples' pages there (`Result.kept`).
 
+Multi-turn rollouts (`turns`, a `Turns`: `lrl.envs.driver.Driver`) alternate model turns and
+observations in one sample: when a model turn ends the sample waits, its KV pages held, while
+its environment step runs; the observation's tokens are then prefilled after its pages and it
+decodes on (`lrl.rollout.turns`). `samples[p][g]` holds the whole trajectory after the prompt,
+`model_masks[p][g]` which of its tokens the model sampled.
+
 P prompts · G samples per prompt · T prompt tokens · D model width.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -31,6 +37,24 @@ from lrl.rollout.sampling import SamplingParams
 # Decode steps a call runs (fewer once no slot is live): a finished slot waits for the call's
 # end to be refilled, and each call costs the host a collection.
 STEPS_PER_CALL = 16
+
+
+class Turns(Protocol):
+    """The environment side of a multi-turn rollout (`lrl.envs.driver.Driver`), asked by the
+    scheduler from its own thread."""
+
+    def turn_ended(self, key: tuple[int, int], tokens: np.ndarray, room: int,
+                   cut: bool) -> None:
+        """Sample key=(p, g)'s model turn ended (an end token in `Request.eos_ids` or in
+        `Request.turn_end_ids` was sampled, or `cut`: the turn reached its cap). `tokens`: ALL
+        the sample's tokens after its prompt so far (model turns and observations as
+        inserted, int32), `room`: tokens it may still add (its limit minus len(tokens)).
+        Must return at once: the environment step runs asynchronously."""
+
+    def ready(self, block: bool) -> list:
+        """Finished environment steps: (key, observation token ids to append, 1 <= len <=
+        the room it was given) to resume that sample, or (key, None): its trajectory ended.
+        block=True (the scheduler has nothing else to do) waits until one is ready."""
 
 
 # eq=False: a request holds arrays (no one truth value); it is compared by identity.
@@ -55,7 +79,14 @@ class Request:
     rollout's tail, where a decode step costs nearly as much for few rows). `kept[p]` (a
     `Kept` handle or None per prompt; a prompt of one sample: its prompt and tokens so far)
     resumes that sample in a slot without a prefill; `keep_kv` leaves each stopped live
-    sample's pages in the engine's pool (`Result.kept`)."""
+    sample's pages in the engine's pool (`Result.kept`).
+
+    Multi-turn (`turns` set): every end token (`eos_ids` or `turn_end_ids`) ends a model turn,
+    and so does `max_turn_tokens` tokens in one turn (0: no cap) or, for benchmarks,
+    `max_turn_fn(sample_id, turn) -> n` (a cap per turn, asked once a turn); `turns` then says
+    whether the trajectory goes on (an observation) or ends. `max_new_tokens` caps the whole
+    trajectory, observations included: a sample that reaches it ends there ("length"). Text
+    prompts only."""
     prompts: Sequence
     max_new_tokens: int
     num_samples: int = 1
@@ -71,10 +102,25 @@ class Request:
     stop_below: int = 0
     kept: Optional[Sequence] = None
     keep_kv: bool = False
+    turns: Optional[Turns] = None
+    turn_end_ids: Sequence[int] = ()
+    max_turn_tokens: int = 0
+    max_turn_fn: Optional[Callable[[int, int], int]] = None
 
     def __post_init__(self):
-        # Frozen, so set through object: the end tokens as a tuple of ints.
+        # Frozen, so set through object: the end tokens as tuples of ints.
         object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
+        object.__setattr__(self, "turn_end_ids", tuple(int(e) for e in self.turn_end_ids))
+        if self.turns is None and (self.turn_end_ids or self.max_turn_tokens
+                                   or self.max_turn_fn is not None):
+            raise ValueError("generate: turn_end_ids / max_turn_tokens / max_turn_fn need "
+                             "turns (a multi-turn rollout)")
+        if self.max_turn_tokens < 0:
+            raise ValueError(f"max_turn_tokens must be >= 0 (0: no cap), got "
+                             f"{self.max_turn_tokens}")
+        if self.turns is not None and self.prompt_embeds is not None:
+            raise ValueError("generate: multi-turn rollouts take text prompts only (a released "
+                             "sample is prefilled again from its token ids)")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.num_samples < 1:
@@ -113,6 +159,11 @@ class Request:
         if self.max_new_per_prompt is None:
             return [self.max_new_tokens] * self.P
         return [int(n) for n in self.max_new_per_prompt]
+
+    @property
+    def end_ids(self) -> tuple[int, ...]:
+        """The token ids that stop a decode row: end tokens, and turn ends when multi-turn."""
+        return self.eos_ids + tuple(t for t in self.turn_end_ids if t not in self.eos_ids)
 
     def first_ids(self) -> list[int]:
         """[P] the sample id of each prompt's first sample."""
@@ -164,7 +215,12 @@ class Result:
     `unfinished`: the (p, g) a stop cut short, sorted (a live one returned its tokens so far,
     a waiting one none); `kept[(p, g)]`: with `Request.keep_kv`, the `Kept` handle of a
     stopped sample's pages left in the pool (a kept sample that did not get a slot stays
-    kept, under (p, 0))."""
+    kept, under (p, 0)). `model_masks[p][g]`: int8 per token of `samples[p][g][0]`, 1 where
+    the model sampled it, 0 for an observation's (whose log-prob is 0.0); all ones without
+    turns. `ends[p][g]`: why it ended: "stop" (an end token; multi-turn: "done", the
+    environment ended it), "length" (its token limit), "cut" (a stop cut it short)."""
     samples: list
     unfinished: tuple = ()
     kept: dict = dataclasses.field(default_factory=dict)
+    model_masks: Optional[list] = None
+    ends: Optional[list] = None

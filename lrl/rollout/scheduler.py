@@ -25,21 +25,21 @@ and `stopped` asks the request's stop rule after each round; `finish` collects t
 call, returns what a stop cut short (live samples their tokens so far, waiting ones none;
 with `keep_kv` the live ones' pages stay in the pool) and hands the engine its state back.
 
-A slot is FREE or LIVE (`Slot.phase`): LIVE from admission to the collection that sees it
-end. Multi-turn rollouts (the next issue) fit in as one more transition over this state:
-when a model turn ends (its end token, or a tool call's end, seen by `collect`), the slot goes
-WAITING instead of FREE: its pages stay in its row (`Engine.slot_pages`), its cache length,
-rope delta and tokens in its `Slot`; it leaves the decode rows (`launch`'s live rows; the
-device slot deactivated like `Engine.keep` does, its pages kept) and the preemption order,
-and `run` goes on while any slot waits. When the observation comes, a `resume_turn(r, slot,
-tokens)` appends its tokens to the live sequence: pages grown for them (`Engine.grow`), a
-prefill of just those tokens into the same slot after its existing pages (a `prefill_chunk`
-call from `Slot.cached`, no re-prefill of the history), the slot LIVE again with the
-observation's last token to feed (`Engine.resume_slot`'s plan, from its own pages). While
-one slot waits, the others decode and new samples are admitted as now. Under memory
-pressure `grow_or_preempt` may release a waiting slot's pages (as `reclaim` does kept
-samples') and queue its history as a prompt of one sample to prefill later (as partial
-rollouts' carried samples come back).
+A sample is FREE, LIVE or WAITING (`Slot.phase`): LIVE from admission to the collection that
+sees it end. Multi-turn rollouts (`Request.turns`, `lrl.rollout.turns`) add WAITING: when
+`collect` sees a model turn end (an end token, a turn-end token such as a tool call's close,
+or the turn's cap), the sample leaves its decode row (the device slot deactivated, the row
+free for another sample) but keeps its KV pages (`Engine.keep`), and its environment step
+starts (`Turns.turn_ended`). Each round `run` polls the finished steps (`turns.poll`,
+blocking only when no slot is live and none can be admitted); an observation sends the
+sample back in, ahead of new samples: its last token and the observation are prefilled after
+its pages into whichever slot it gets (`Engine.extend_slot` / `run_extend`: no re-prefill of
+its history), and it decodes on. Memory rule: a waiting sample's pages stay in the pool until
+live work runs short: growing live slots, or resuming another waiting sample, releases
+waiting samples' pages (the most recently paused first) before any live sample is preempted;
+new samples are admitted from free pages only. A sample whose pages went is prefilled again,
+its whole history (prompt, tokens, observation), when it resumes; so is a preempted one
+(its turn goes on from its last token: nothing is sampled twice).
 
 P prompts · G samples per prompt · B batch rows: the engine's slots · T prompt tokens.
 """
@@ -52,9 +52,11 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
+from lrl.rollout import turns
 from lrl.rollout.engine import Engine
 from lrl.rollout.request import Policy, Request, Result
 from lrl.rollout.state import Call, Phase, Rollout, Slot, report, start
+from lrl.rollout.state import done as finished
 
 
 def run(engine: Engine, params, request: Request, *, policy: Policy = Policy(),
@@ -66,10 +68,23 @@ def run(engine: Engine, params, request: Request, *, policy: Policy = Policy(),
     `engine.run_prefill` (e.g. `lrl.rollout.sp_prefill.make_prefill(mesh)`). `stats`, when a
     dict, is filled with timings and counts (`report`)."""
     if request.P == 0:
-        return Result([])
+        return Result([], model_masks=[], ends=[])
     r = start(engine, params, request, policy, decode_params, prefill_fn, stats is not None)
-    while r.waiting() or r.admitted:
+    while r.waiting() or r.admitted or r.paused:
+        if r.multi:
+            turns.poll(r, block=False)
         admit(r)
+        if not r.admitted:
+            if r.in_flight is not None:   # it may end turns
+                collect(r, r.in_flight)
+                r.in_flight = None
+            if r.paused or r.turn_queue:
+                turns.poll(r, block=not r.turn_queue)   # nothing else can run
+                continue
+            if r.waiting():
+                raise RuntimeError("no sample could be admitted although the pool is empty; "
+                                   "this is a bug in the page accounting")
+            break
         grow_or_preempt(r)
         settle(r, launch(r))
         if stopped(r):
@@ -88,7 +103,8 @@ def admit(r: Rollout) -> None:
     t0 = time.perf_counter()
     keep = sum(e.pages_short(s, r.slots[s].cached + 2 * k + 1) for s in r.admitted) \
         if r.grow else 0
-    while r.free and r.waiting():
+    keep, extensions = turns.admit(r, keep, plans, new_prefixes, closed)
+    while r.free and r.waiting() and not r.turn_queue:
         p, g, last = _head(r)
         T, sid = len(r.prompts[p]), r.first_id[p] + g
         n = _limit(r, p, sid)
@@ -118,15 +134,12 @@ def admit(r: Rollout) -> None:
             closed.append(r.open_prefix.pop(p))
     r.st["peak_pages"] = max(r.st["peak_pages"], e.pool.num_used)
     r.st["host_admit_s"] += time.perf_counter() - t0
-    if new_prefixes:
-        _prefill(r, new_prefixes)
+    if new_prefixes or extensions:
+        _prefill(r, new_prefixes, extensions)
     if plans:
         r.device = e.run_insert(r.device, plans)
     for pre in closed:   # only now: its partial page has been copied
         e.release(pre)
-    if not r.admitted:
-        raise RuntimeError("no sample could be admitted although the pool is empty; "
-                           "this is a bug in the page accounting")
 
 
 def _head(r: Rollout) -> tuple[int, int, bool]:
@@ -173,15 +186,22 @@ def _place(r: Rollout, slot: int, sample: tuple[int, int], sid: int, n: int, fir
     r.slots[slot] = Slot(sample, Phase.LIVE, limit=n, cached=len(r.prompts[p]) - 1,
                          rope_delta=plan.rope_delta, since=r.launched)
     r.admitted.append(slot)
+    if r.multi:   # its first turn may stop sooner
+        r.slots[slot].turn_cap = turns.turn_cap(r, sid, 0)
+        plan = dataclasses.replace(plan, remaining=turns.turn_left(r.slots[slot]))
     return plan
 
 
-def _prefill(r: Rollout, prefixes: list) -> None:
-    """Fills the new prompts' pages. Prefill reads the decode layout too: no layer sliced out
-    of a stack per call, joined qkv and gate/up matmuls, compute-dtype weights."""
+def _prefill(r: Rollout, prefixes: list, extensions: list = ()) -> None:
+    """Fills the new prompts' pages, and resumed multi-turn samples' observations after
+    theirs. Prefill reads the decode layout too: no layer sliced out of a stack per call,
+    joined qkv and gate/up matmuls, compute-dtype weights."""
     t0 = time.perf_counter()
-    r.device = (r.engine.run_prefill(r.dparams, r.device, prefixes) if r.prefill_fn is None
-                else r.prefill_fn(r.engine, r.params, r.device, prefixes))
+    if prefixes:
+        r.device = (r.engine.run_prefill(r.dparams, r.device, prefixes) if r.prefill_fn is None
+                    else r.prefill_fn(r.engine, r.params, r.device, prefixes))
+    if extensions:
+        r.device = r.engine.run_extend(r.dparams, r.device, extensions)
     if r.timed:
         r.st["prefill_rounds"] += 1   # admissions that prefilled
         # Timed alone only with no decode call in flight (waiting on it would end the
@@ -205,7 +225,7 @@ def grow_or_preempt(r: Rollout) -> None:
         e, k = r.engine, r.policy.steps_per_call
         want = _want(r, k * (2 if r.in_flight is not None else 1))
         short = sum(e.pages_short(s, n) for s, n in want.items())
-        reclaim(r, short)
+        reclaim(r, short, waiting=True)
         if short > e.pool.num_free:
             if r.in_flight is not None:
                 collect(r, r.in_flight)
@@ -230,27 +250,35 @@ def _want(r: Rollout, ahead: int) -> dict[int, int]:
 
 def preempt(r: Rollout, s: int) -> None:
     """Stops slot s's sample and queues it to run again from its start: its draws are keyed
-    by (sample, step), so it samples the same tokens again."""
+    by (sample, step), so it samples the same tokens again. A multi-turn sample instead goes
+    back first with what it has, its history prefilled again (`turns.admit`)."""
     slot = r.slots[s]
     r.st["preempted"] += 1
-    r.st["preempted_tokens"] += slot.sampled
-    r.redo.appendleft(slot.sample)
+    if r.multi:
+        slot.phase = Phase.WAITING
+        r.turn_queue.appendleft(slot)
+    else:
+        r.st["preempted_tokens"] += slot.sampled
+        r.redo.appendleft(slot.sample)
     r.slots[s] = Slot()
     r.admitted.remove(s)
     r.free.append(s)
     r.device = r.engine.free(r.device, [s])
 
 
-def reclaim(r: Rollout, need: int) -> bool:
+def reclaim(r: Rollout, need: int, waiting: bool = False, spare=None) -> bool:
     """Releases kept samples' pages until `need` pages are free: first those this rollout
-    does not resume, then its own, the last in line first (they are prefilled instead).
-    -> whether `need` pages are free."""
+    does not hold, then (`waiting`) those of multi-turn samples waiting on their environment
+    (the most recently paused first, never `spare`'s), then the kept samples it resumes, the
+    last in line first (they are prefilled instead). -> whether `need` pages are free."""
     e = r.engine
     while e.pool.num_free < need:
-        ours = {id(k) for k in r.resume.values()}
+        ours = {id(k) for k in r.resume.values()} | turns.held(r)
         others = [k for k in e.kept.values() if id(k) not in ours]
         if others:
             victim = others[0]
+        elif waiting and turns.release_one(r, spare):
+            continue
         elif r.resume:
             victim = r.resume.pop(max(r.resume))
         else:
@@ -273,7 +301,7 @@ def launch(r: Rollout) -> Call:
         r.t_decode0 = time.perf_counter()
     r.device, out = e.generate(r.dparams, r.device, r.rng,
                                num_steps=r.policy.steps_per_call,
-                               sampling=r.request.sampling, eos_ids=r.request.eos_ids,
+                               sampling=r.request.sampling, eos_ids=r.request.end_ids,
                                rows=rows)
     # Its copies back are queued now, behind this call alone: asked for only at the
     # collection, after the next call's launch, they may wait for that call too. An H200
@@ -312,6 +340,7 @@ def collect(r: Rollout, call: Call) -> None:
     """Appends a decode call's tokens to their slots' samples; frees the slots that finished.
     A slot filled after the call was launched (`overlap_admission`) is not in it."""
     st, P = r.st, r.prompts
+    ended = []   # multi-turn: (slot, its sample, cut) whose model turn ended
     # Only transfers here: a jax op on the output would queue behind the call in flight.
     tokens, logps, valid, active = jax.device_get(
         (call.out.tokens, call.out.logps, call.out.valid, call.out.active))
@@ -329,26 +358,30 @@ def collect(r: Rollout, call: Call) -> None:
         p, g = slot.sample
         # kv tokens read by this slot's steps: T + before, ..., T + before + n - 1
         st["kv_token_steps"] += n * (len(P[p]) + before) + n * (n - 1) // 2
-        if not active[s]:
-            r.finished_now.append((p, g))
-            r.results[p][g] = _joined(slot)
-            st["new_tokens"] += len(r.results[p][g][0])
-            r.slots[s] = Slot()
-            r.admitted.remove(s)
-            done.append(s)
+        if active[s]:
+            continue
+        last = next((int(c[-1]) for c in reversed(slot.tokens) if len(c)), -1)
+        if r.multi and slot.sampled < slot.limit:
+            ended.append((s, slot, last not in r.request.end_ids))
+            continue
+        finished(r, slot, "stop" if last in r.request.eos_ids and not r.multi else
+                 "length")
+        r.slots[s] = Slot()
+        r.admitted.remove(s)
+        done.append(s)
     steps_run = int(valid.any(axis=0).sum())
     st["decode_steps"] += steps_run
     st["computed_rows"] += steps_run * call.width   # rows computed, idle ones included
     st["sampled_tokens"] += int(valid.sum())
+    if r.paused or r.turn_queue:
+        st["steps_while_waiting"] += steps_run
+        st["sampled_while_waiting"] += int(valid.sum())
     if done:
         r.device = r.engine.free(r.device, done)
         r.free.extend(done)
+    if ended:
+        turns.pause(r, ended)
     st["host_collect_s"] += time.perf_counter() - t_got
-
-
-def _joined(slot: Slot) -> tuple[np.ndarray, np.ndarray]:
-    return (np.concatenate(slot.tokens or [np.zeros(0)]).astype(np.int32),
-            np.concatenate(slot.logps or [np.zeros(0)]).astype(np.float32))
 
 
 def stopped(r: Rollout) -> bool:
@@ -359,7 +392,8 @@ def stopped(r: Rollout) -> bool:
     if q.stop_fn is None:
         return False
     done_now, r.finished_now = r.finished_now, []
-    tail = q.stop_below and not r.waiting() and len(r.admitted) < q.stop_below
+    tail = (q.stop_below and not r.waiting() and not r.paused
+            and len(r.admitted) < q.stop_below)
     if q.stop_fn(done_now, r.st["sampled_tokens"]) or tail:
         r.stopped = True
         r.st["stopped_in_tail"] = int(bool(tail))
@@ -381,23 +415,25 @@ def finish(r: Rollout, stats: Optional[dict]) -> Result:
     r.engine.keep_state(r.device)
     if stats is not None:
         stats.update(report(r, t_decode))
-    return Result(r.results, unfinished, kept)
+    return Result(r.results, unfinished, kept, r.masks, r.ends)
 
 
 def _cut_short(r: Rollout) -> tuple[tuple, dict]:
     """After a stop: what is live keeps its tokens so far (and with `keep_kv` its pages),
-    what waits has none. -> (the (p, g) cut short, sorted; kept handles by (p, g))."""
+    a multi-turn sample waiting on its environment its tokens so far (observations in) and
+    its mask, its pages released; what waits for a slot has none. -> (the (p, g) cut short,
+    sorted; kept handles by (p, g))."""
     e, kept = r.engine, {}
     live = [s for s, slot in enumerate(r.slots) if slot.sample is not None]
-    stopped_pg = [r.slots[s].sample for s in live]
-    for s, (p, g) in zip(live, stopped_pg):
-        r.results[p][g] = _joined(r.slots[s])
-        r.st["new_tokens"] += len(r.results[p][g][0])
+    stopped_pg = [r.slots[s].sample for s in live] + turns.cut_short(r)
+    for s in live:
+        finished(r, r.slots[s], "cut", finished=False)
     if live and r.request.keep_kv:
         # cached: the prompt and every sampled token but the last, the next one fed
         r.device, handles = e.keep(
             r.device, live, [r.slots[s].cached for s in live],
-            [np.concatenate([r.prompts[p], r.results[p][g][0]])[-1] for p, g in stopped_pg],
+            [np.concatenate([r.prompts[p], r.results[p][g][0]])[-1]
+             for p, g in stopped_pg[:len(live)]],
             [r.slots[s].rope_delta for s in live])
         kept.update(zip(stopped_pg, handles))
         r.st["kept"] += len(live)
@@ -418,4 +454,5 @@ def _cut_short(r: Rollout) -> tuple[tuple, dict]:
                               for g in range(r.next_sample[p], r.counts[p])]
     for p, g in waiting:
         r.results[p][g] = (np.zeros(0, np.int32), np.zeros(0, np.float32))
+        r.masks[p][g], r.ends[p][g] = np.zeros(0, np.int8), "cut"
     return tuple(sorted(stopped_pg + waiting)), kept

@@ -11,6 +11,7 @@ import enum
 from typing import Callable, NamedTuple, Optional
 
 import jax
+import numpy as np
 
 from lrl.rollout.engine import DecodeState, Engine, StepOutput
 from lrl.rollout.pages import pages_for
@@ -18,10 +19,10 @@ from lrl.rollout.request import Policy, Request, check_prompts
 
 
 class Phase(enum.Enum):
-    """A slot's phase. FREE: no sample. LIVE: its sample decodes in the calls launched from
-    its admission on, until the collection that sees it end. WAITING: a multi-turn sample
-    paused between turns, its pages held, out of the decode rows; nothing sets it yet (the
-    next issue: `lrl.rollout.scheduler`'s docstring says where it goes)."""
+    """A sample's phase. FREE: no sample. LIVE: its sample decodes in the calls launched
+    from its admission on, until the collection that sees it end. WAITING: a multi-turn
+    sample between turns (`lrl.rollout.turns`): its record leaves the decode rows for
+    `Rollout.paused`, its pages held (a `Kept` handle) unless memory ran short."""
     FREE = 0
     LIVE = 1
     WAITING = 2
@@ -38,10 +39,24 @@ class Slot:
     since: int = 0         # the first decode call its sample is in (calls numbered from 0)
     tokens: list = dataclasses.field(default_factory=list)   # sampled: one array a call
     logps: list = dataclasses.field(default_factory=list)
+    # multi-turn (`lrl.rollout.turns`): observations are chunks of `tokens` too (log-prob 0)
+    spans: list = dataclasses.field(default_factory=list)   # (start, length) of each one
+    observed: int = 0      # their tokens
+    turn: int = 0          # model turns ended so far
+    turn_start: int = 0    # tokens before the current model turn
+    turn_cap: int = 0      # tokens the current turn may sample (0: no cap)
+    kept: object = None    # WAITING: its pages (`Kept`), None once released
+    pending: object = None   # an observation to append when it resumes
+    paused_at: float = 0.0
 
     @property
     def sampled(self) -> int:
+        """Tokens after the prompt (observations included)."""
         return sum(len(c) for c in self.tokens)
+
+    def history(self):
+        """All its tokens after the prompt, int32."""
+        return np.concatenate(self.tokens or [np.zeros(0)]).astype(np.int32)
 
 
 class Call(NamedTuple):
@@ -77,6 +92,12 @@ class Rollout:
     redo: collections.deque = dataclasses.field(default_factory=collections.deque)
     admitted: list = dataclasses.field(default_factory=list)
     resume: dict = dataclasses.field(default_factory=dict)
+    # multi-turn: samples waiting on their environment ((p, g) -> Slot, in pause order) and
+    # those whose observation (or a preemption) sends them back in, admitted first
+    paused: dict = dataclasses.field(default_factory=dict)
+    turn_queue: collections.deque = dataclasses.field(default_factory=collections.deque)
+    masks: list = None            # [P][G] model masks of finished samples
+    ends: list = None             # [P][G] why each ended
     open_prefix: dict = dataclasses.field(default_factory=dict)   # p -> Prefix taking samples
     limits: dict = dataclasses.field(default_factory=dict)   # sample id -> its limit, asked once
     next_sample: list = None
@@ -98,8 +119,13 @@ class Rollout:
         """Pages grow with the samples (a call's worth ahead) unless `reserve_pages`."""
         return not self.policy.reserve_pages
 
+    @property
+    def multi(self) -> bool:
+        return self.request.turns is not None
+
     def waiting(self) -> bool:
-        return bool(self.queue or self.redo)
+        """Whether a sample waits for a slot (not one waiting on its environment)."""
+        return bool(self.queue or self.redo or self.turn_queue)
 
 
 def start(engine: Engine, params, request: Request, policy: Policy, decode_params,
@@ -129,7 +155,8 @@ def start(engine: Engine, params, request: Request, policy: Policy, decode_param
         dparams=engine.decode_params(params) if decode_params is None else decode_params,
         prefill_fn=prefill_fn, timed=timed, slots=[Slot() for _ in range(B)],
         free=collections.deque(range(B)), queue=collections.deque(range(len(prompts))),
-        resume=resume, next_sample=[0] * len(prompts), results=[[None] * n for n in counts])
+        resume=resume, next_sample=[0] * len(prompts), results=[[None] * n for n in counts],
+        masks=[[None] * n for n in counts], ends=[[None] * n for n in counts])
 
 
 def report(r: Rollout, t_decode: float) -> dict:
@@ -150,8 +177,27 @@ def report(r: Rollout, t_decode: float) -> dict:
         # the share of the rows the decode steps computed that sampled a token (narrow tail
         # calls compute fewer rows than the slots)
         row_occupancy=st["sampled_tokens"] / max(1, st["computed_rows"]),
+        # multi-turn: the slot occupancy over the decode steps while some sample waited on
+        # its environment
+        occupancy_waiting=st["sampled_while_waiting"] / max(1, st["steps_while_waiting"] * B),
+        turns=st["turns"], observed_tokens=st["observed_tokens"], wait_s=st["wait_s"],
         attention_impl=e.ecfg.attention_impl, attention_fallback=e.fallback,
         sampling_impl=e.ecfg.sampling_impl, pages_allocated=e.pool.allocated_total,
         pages_unshared=sum(n * pages_for(len(p) + m - 1, ps)
                            for p, n, m in zip(r.prompts, r.counts, r.max_new)),
         prefill_tokens_unshared=sum(n * (len(p) - 1) for p, n in zip(r.prompts, r.counts)))
+
+
+def done(r: Rollout, slot: Slot, end: str, finished: bool = True) -> None:
+    """Slot's sample ends (`end`: "stop", "done", "length" or "cut"): its tokens, log-probs
+    and model mask become its result; `finished`: the stop rule hears of it."""
+    p, g = slot.sample
+    tokens = slot.history()
+    mask = np.ones(tokens.size, np.int8)
+    for at, n in slot.spans:
+        mask[at:at + n] = 0
+    r.results[p][g] = (tokens, np.concatenate(slot.logps or [np.zeros(0)]).astype(np.float32))
+    r.masks[p][g], r.ends[p][g] = mask, end
+    r.st["new_tokens"] += tokens.size - slot.observed
+    if finished:
+        r.finished_now.append((p, g))

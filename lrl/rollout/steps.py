@@ -92,6 +92,11 @@ class EngineConfig:
     # are live, a call decodes just those W rows (`decode_rows`), each width compiled once.
     # Every row of a decode step costs its share of the matmuls and the sampler, live or not.
     narrow_widths: tuple[int, ...] = ()
+    # Multi-turn: tokens of one call that prefills observations into waiting samples' pages
+    # (`Engine.run_extend`, [R, C]: C a power of two holding the observation, R this over C).
+    # One program per C; R fixed so that a round's few resumed samples do not compute a
+    # prompt prefill's thousands of padding rows.
+    turn_prefill_tokens: int = 1024
 
     def __post_init__(self):
         if self.prefill_chunk < 1 or self.prefill_chunk & (self.prefill_chunk - 1):
@@ -445,9 +450,11 @@ def decode_rows(cfg, ecfg, params, state: DecodeState, rng, rows_W, num_steps: i
 
 @functools.partial(jax.jit, static_argnames=("num_layers",), donate_argnames=("state",))
 def insert_slots(state: DecodeState, slot_B, row_BY, length_B, token_B, remaining_B, sample_B,
-                 copy_src_B, copy_dst_B, num_layers: int, delta_B=None):
+                 copy_src_B, copy_dst_B, num_layers: int, delta_B=None, steps_B=None):
     """Copies each new slot's partial prompt page (all layers) and sets its row. Padding rows
-    carry slot index max_slots (out of range: dropped) and copy the null page onto itself."""
+    carry slot index max_slots (out of range: dropped) and copy the null page onto itself.
+    `steps_B`: tokens each sample has sampled before (its draws go on from there: a multi-turn
+    sample's next turn)."""
     num_pages = state.k_pages.shape[1] // num_layers
     base_L1 = jnp.arange(num_layers, dtype=jnp.int32)[:, None] * num_pages
     src, dst = base_L1 + copy_src_B[None], base_L1 + copy_dst_B[None]
@@ -459,7 +466,7 @@ def insert_slots(state: DecodeState, slot_B, row_BY, length_B, token_B, remainin
         lengths=put(state.lengths, length_B), tokens=put(state.tokens, token_B),
         active=put(state.active, jnp.ones_like(slot_B, bool)),
         remaining=put(state.remaining, remaining_B), sample_ids=put(state.sample_ids, sample_B),
-        steps=put(state.steps, jnp.zeros_like(slot_B)),
+        steps=put(state.steps, jnp.zeros_like(slot_B) if steps_B is None else steps_B),
         rope_delta=put(state.rope_delta, jnp.zeros_like(slot_B) if delta_B is None else delta_B))
 
 
