@@ -16,11 +16,18 @@ Rewards travel as registry names (`lrl.rewards.registry.Term`), and each worker 
 module that registered them, so a reward registered in a test file or a script works too.
 `num_workers=0` scores in-process for debugging; a timeout there runs the call in a thread
 that is abandoned (still running) when it overruns, and is counted all the same.
+
+The same workers run other host code without blocking (multi-turn environments,
+`lrl.envs.driver`): `ticket = pool.submit(fn, *args, timeout_s=...)` queues a call of a
+module-level function, `pool.poll(timeout_s)` returns the finished ones as (ticket, status,
+payload), `pool.cancel(ticket)` forgets one (killing its worker if it runs). Calls and
+scoring items share one queue, so `score` may run while calls are in flight.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -40,7 +47,8 @@ _BUILTIN_MODULES = ("lrl.rewards.registry", "lrl.rewards.math", "lrl.rewards.mat
 
 
 def _worker_main(conn, terms: tuple[Term, ...]) -> None:
-    """Worker loop: resolve the rewards once, then answer one call per message."""
+    """Worker loop: resolve the rewards once, then answer one job per message:
+    (ticket, "score", completion, answer, meta) or (ticket, "call", fn, args)."""
     # Ctrl-C reaches the whole process group; the parent decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -57,13 +65,28 @@ def _worker_main(conn, terms: tuple[Term, ...]) -> None:
             return
         if msg is None:
             return
-        idx, completion, answer, meta = msg
+        status, payload = _run_job(terms, msg[1], msg[2:])
         try:
-            conn.send((idx, "ok", score_terms(terms, completion, answer, meta)))
-        except TimeoutError as e:  # a reward's own time limit (e.g. math-verify's)
-            conn.send((idx, "timeout", f"{type(e).__name__}: {e}"))
-        except Exception as e:  # noqa: BLE001 - a failing reward scores 0 and is counted
-            conn.send((idx, "error", f"{type(e).__name__}: {e}"))
+            conn.send((msg[0], status, payload))
+        except OSError:  # the parent is gone
+            return
+        except Exception as e:  # noqa: BLE001 - a result that does not pickle: the job's error
+            conn.send((msg[0], "error", f"its result cannot be sent back: {type(e).__name__}: {e}"))
+
+
+def _run_job(terms, kind: str, body: tuple) -> tuple[str, object]:
+    """(status, payload) of one job: ("ok", result) or ("timeout" | "error", message)."""
+    try:
+        if kind == "score":
+            result = score_terms(terms, *body)
+        else:
+            fn, args = body
+            result = fn(*args)
+        return "ok", result
+    except TimeoutError as e:  # a reward's own time limit (e.g. math-verify's)
+        return "timeout", f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - a failing reward scores 0 and is counted
+        return "error", f"{type(e).__name__}: {e}"
 
 
 class RewardFailure(RuntimeError):
@@ -88,7 +111,14 @@ class _Worker:
     conn: mp.connection.Connection
     state: str  # "starting" | "idle" | "busy"
     since: float  # when it started starting, or started its current call
-    idx: int = -1
+    ticket: int = -1  # its current job
+    timeout_s: float | None = None  # that job's limit
+
+
+@dataclasses.dataclass
+class _Job:
+    message: tuple  # what the worker gets after the ticket: ("score", ...) or ("call", fn, args)
+    timeout_s: float | None
 
 
 def _normalise_items(items) -> list[tuple[str, str, dict]]:
@@ -152,6 +182,15 @@ class RewardPool:
         self.fail_frac, self.fail_patience = fail_frac, fail_patience
         self._failed_calls = 0  # in a row
         self._streak_first: str | None = None  # the first error of those calls
+        # Jobs of `score` and `submit` share one queue, so a call in flight never mixes with a
+        # scoring call's items: ticket -> job while queued or running, -> (status, payload)
+        # once finished and not yet collected.
+        self._tickets = itertools.count()
+        self._queue: collections.deque[int] = collections.deque()
+        self._jobs: dict[int, _Job] = {}
+        self._done: dict[int, tuple[str, object]] = {}
+        self._submitted: set[int] = set()  # tickets of `submit`, returned by `poll`
+        self._threads: dict[int, tuple[threading.Thread, list, float, float | None]] = {}
 
     # ----- worker processes -------------------------------------------------------------
 
@@ -188,6 +227,11 @@ class RewardPool:
                 w.process.join(timeout=10)
             w.conn.close()
         self._workers = []
+        self._queue.clear()
+        self._jobs.clear()
+        self._done.clear()
+        self._submitted.clear()
+        self._threads.clear()  # in-process calls are abandoned, as on a timeout
 
     def __enter__(self) -> RewardPool:
         return self
@@ -289,67 +333,167 @@ class RewardPool:
         return box[0]
 
     def _score_in_workers(self, items, values: np.ndarray, status: list[str]) -> None:
-        while len(self._workers) < self.num_workers:
-            self._workers.append(self._start_worker())
-        pending = collections.deque(range(len(items)))
-        remaining = len(items)
-
-        def finish(idx: int, outcome: str, payload) -> None:
-            nonlocal remaining
-            remaining -= 1
+        tickets = [self._enqueue(("score", *item), self.timeout_s) for item in items]
+        try:
+            while any(t not in self._done for t in tickets):
+                self._pump(None)
+        finally:
+            results = [self._done.pop(t, ("error", "pool closed")) for t in tickets]
+        for idx, (outcome, payload) in enumerate(results):
             status[idx] = outcome
             if outcome == "ok":
                 values[idx] = payload
             else:
                 self._report(idx, outcome, payload)
 
-        while remaining:
-            for w in self._workers:
-                if w.state == "idle" and pending:
-                    self._send(w, pending, items, finish)
-            waiting = [w for w in self._workers if w.state in ("starting", "busy")]
-            ready = mp.connection.wait([w.conn for w in waiting], timeout=self._wait_s(waiting))
-            for w in [w for w in waiting if w.conn in ready]:
-                try:
-                    msg = w.conn.recv()
-                except (EOFError, OSError):
-                    msg = None
-                if w.state == "starting":
-                    self._on_started(w, msg)
-                elif msg is None:  # the worker died mid-call (segfault, os._exit, OOM kill)
-                    finish(w.idx, "error", f"worker died, {_exit_status(w.process)}")
-                    self._replace(w)
-                else:
-                    finish(w.idx, msg[1], msg[2])
-                    w.state = "idle"
-            self._expire(finish)
+    # ----- calls without waiting ----------------------------------------------------------
 
-    def _send(self, w: _Worker, pending: collections.deque, items, finish) -> None:
-        idx = pending.popleft()
+    def submit(self, fn, *args, timeout_s: float | None | str = "pool") -> int:
+        """Queues `fn(*args)` for a worker and returns its ticket at once; `poll` hands back
+        its outcome. `fn` must be a module-level function (it travels by name and the worker
+        imports its module), `args` and the result must pickle. `timeout_s`: this call's limit
+        ("pool": the pool's `timeout_s`; None: none); over it, the worker is killed and
+        replaced and the call's outcome is "timeout". With num_workers=0 the call runs in a
+        thread of this process, abandoned (still running) if it overruns."""
+        limit = self.timeout_s if timeout_s == "pool" else timeout_s
+        if limit is not None and not limit > 0:
+            raise ValueError(f"submit: timeout_s must be positive or None, got {limit}")
+        if not callable(fn):
+            raise ValueError(f"submit: {fn!r} is not callable")
+        ticket = self._enqueue(("call", fn, tuple(args)), limit)
+        self._submitted.add(ticket)
+        if self.num_workers == 0:
+            self._queue.remove(ticket)
+            box: list = []
+            thread = threading.Thread(target=lambda: box.append(_run_job((), "call", (fn, args))),
+                                      daemon=True, name="lrl-reward-call")
+            self._threads[ticket] = (thread, box, time.monotonic(), limit)
+            thread.start()
+        return ticket
+
+    def poll(self, timeout_s: float | None = 0.0,
+             tickets=None) -> list[tuple[int, str, object]]:
+        """Outcomes of finished `submit` calls, each returned once: (ticket, status, payload)
+        with status "ok" (payload: the result), "error" or "timeout" (payload: a message).
+        `tickets`: only these (default: all); waits up to `timeout_s` (None: until one is
+        ready) when none is, and returns [] at once when none of them is in flight."""
+        wanted = self._submitted if tickets is None else self._submitted & set(tickets)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            # Every poll moves the queue on: queued calls go to idle workers, answers are read.
+            if self.num_workers == 0:
+                self._check_threads()
+            elif self._jobs:
+                self._pump(0.0)
+            out = [(t, *self._done.pop(t)) for t in sorted(wanted & self._done.keys())]
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if out or not wanted or (remaining is not None and remaining <= 0):
+                self._submitted -= {t for t, *_ in out}
+                return out
+            if self.num_workers == 0:  # threads: look again in 5 ms
+                time.sleep(0.005 if remaining is None else min(remaining, 0.005))
+            else:
+                self._pump(remaining)
+
+    def cancel(self, ticket: int) -> bool:
+        """Forgets a submitted call: drops it from the queue, or kills and replaces the worker
+        running it (an in-process thread is abandoned). -> whether it was still in flight."""
+        self._submitted.discard(ticket)
+        self._done.pop(ticket, None)
+        if self._threads.pop(ticket, None) is not None:
+            return True
+        if self._jobs.pop(ticket, None) is None:
+            return False
+        if ticket in self._queue:
+            self._queue.remove(ticket)
+            return True
+        for w in self._workers:
+            if w.state == "busy" and w.ticket == ticket:
+                self._replace(w)
+        return True
+
+    def in_flight(self) -> int:
+        """Submitted calls not yet returned by `poll`."""
+        return len(self._submitted)
+
+    def _check_threads(self) -> None:
+        now = time.monotonic()
+        for ticket, (thread, box, start, limit) in list(self._threads.items()):
+            if box:
+                self._done[ticket] = box[0]
+            elif limit is not None and now - start > limit:
+                self._done[ticket] = ("timeout", f"call exceeded {limit}s (in-process thread "
+                                                 "left running)")
+            else:
+                continue
+            del self._threads[ticket]
+
+    # ----- the workers' job queue ---------------------------------------------------------
+
+    def _enqueue(self, message: tuple, timeout_s: float | None) -> int:
+        ticket = next(self._tickets)
+        self._jobs[ticket] = _Job(message, timeout_s)
+        self._queue.append(ticket)
+        return ticket
+
+    def _finish(self, ticket: int, outcome: str, payload) -> None:
+        if self._jobs.pop(ticket, None) is not None:  # else cancelled meanwhile
+            self._done[ticket] = (outcome, payload)
+
+    def _pump(self, wait_s: float | None) -> None:
+        """One round: queued jobs to idle workers, then wait (at most `wait_s`, or until the
+        nearest deadline) for answers, and time out overrunning calls."""
+        while len(self._workers) < self.num_workers:
+            self._workers.append(self._start_worker())
+        for w in self._workers:
+            if w.state == "idle" and self._queue:
+                self._send(w)
+        waiting = [w for w in self._workers if w.state in ("starting", "busy")]
+        limits = [t for t in (wait_s, self._wait_s(waiting)) if t is not None]
+        ready = mp.connection.wait([w.conn for w in waiting],
+                                   timeout=min(limits) if limits else None)
+        for w in [w for w in waiting if w.conn in ready]:
+            try:
+                msg = w.conn.recv()
+            except (EOFError, OSError):
+                msg = None
+            if w.state == "starting":
+                self._on_started(w, msg)
+            elif msg is None:  # the worker died mid-call (segfault, os._exit, OOM kill)
+                self._finish(w.ticket, "error", f"worker died, {_exit_status(w.process)}")
+                self._replace(w)
+            else:
+                self._finish(w.ticket, msg[1], msg[2])
+                w.state = "idle"
+        self._expire()
+
+    def _send(self, w: _Worker) -> None:
+        ticket = self._queue.popleft()
+        job = self._jobs[ticket]
         try:
-            w.conn.send((idx, *items[idx]))
-        except (OSError, EOFError):  # it died while idle: not the item's fault, so retry it
-            pending.appendleft(idx)
+            w.conn.send((ticket, *job.message))
+        except (OSError, EOFError):  # it died while idle: not the job's fault, so retry it
+            self._queue.appendleft(ticket)
             self._replace(w)
             return
-        except Exception as e:  # noqa: BLE001 - meta that does not pickle
-            finish(idx, "error", f"cannot send it to a worker: {type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - meta or arguments that do not pickle
+            self._finish(ticket, "error", f"cannot send it to a worker: {type(e).__name__}: {e}")
             return
-        w.state, w.since, w.idx = "busy", time.monotonic(), idx
+        w.state, w.since, w.ticket, w.timeout_s = "busy", time.monotonic(), ticket, job.timeout_s
 
     def _wait_s(self, waiting: list[_Worker]) -> float | None:
         """Seconds until the nearest call or start-up deadline; None if there is none."""
         deadlines = [w.since + self.start_timeout_s for w in waiting if w.state == "starting"]
-        if self.timeout_s is not None:
-            deadlines += [w.since + self.timeout_s for w in waiting if w.state == "busy"]
+        deadlines += [w.since + w.timeout_s for w in waiting
+                      if w.state == "busy" and w.timeout_s is not None]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
-    def _expire(self, finish) -> None:
+    def _expire(self) -> None:
         """Times out overrunning calls (their workers are replaced) and stuck start-ups."""
         now = time.monotonic()
         for w in list(self._workers):
-            if w.state == "busy" and self.timeout_s is not None and now - w.since > self.timeout_s:
-                finish(w.idx, "timeout", f"call exceeded {self.timeout_s}s; worker replaced")
+            if w.state == "busy" and w.timeout_s is not None and now - w.since > w.timeout_s:
+                self._finish(w.ticket, "timeout", f"call exceeded {w.timeout_s}s; worker replaced")
                 self._replace(w)
             elif w.state == "starting" and now - w.since > self.start_timeout_s:
                 self.close()
