@@ -322,7 +322,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.reward.spec = "synthetic:1.0"   # the boxed value of the trajectory's last turn
         c.sft.update(steps=200, rows=8, row_len=256)
         c.rl.update(steps=40, prompts_per_step=8, group_size=8, max_new_tokens=80, row_len=256)
-        c.rollout.update(env="tool", max_turns=3, max_turn_tokens=32, max_slots=64)
+        c.rollout.update(env="tools", max_turns=3, max_turn_tokens=32, max_slots=64)
         c.eval.update(every=10, num_prompts=32)
         if arg == "tools_runlocal":   # every part once, in about a minute
             c.sft.update(steps=20, rows=4, warmup_steps=2)

@@ -342,20 +342,21 @@ def _add_round_stats(total: dict, this: dict, first: bool) -> None:
 
 
 def score(groups: Groups, pool, tokenizer) -> tuple[Groups, dict]:
-    """Rewards [P, G] from the host reward functions; failures score 0 and are counted. A
-    multi-turn trajectory's text is its model tokens' (`lrl.trajectories.model_text_ids`)
-    and its environment's reward is added to the score."""
-    comps = groups.completions if not groups.masks else tuple(
-        c[np.asarray(m) > 0] for c, m in zip(groups.completions, groups.masks))
-    texts = tuple(tokenizer.decode(c, skip_special_tokens=True) for c in comps)
+    """Rewards [P, G] from the host reward functions; failures score 0 and are counted.
+    Multi-turn trajectories were scored by their environments (`lrl.trajectories`): their
+    rewards are those, their texts their model tokens'."""
     G = groups.group_size
+    if groups.trajectories:
+        texts = tuple(tokenizer.decode(c[np.asarray(m) > 0], skip_special_tokens=True)
+                      for c, m in zip(groups.completions, groups.masks))
+        rewards_PG = np.asarray([t["env_reward"] for t in groups.trajectories],
+                                np.float32).reshape(groups.P, G)
+        return dataclasses.replace(groups, texts=texts, rewards_PG=rewards_PG), {}
+    texts = tuple(tokenizer.decode(c, skip_special_tokens=True) for c in groups.completions)
     items = [(text, str(groups.prompts[i // G].answer), groups.prompts[i // G].meta)
              for i, text in enumerate(texts)]
     rewards, stats = pool.score(items)
     rewards_PG = np.asarray(rewards, np.float32).reshape(groups.P, G)
-    if groups.trajectories:
-        rewards_PG = rewards_PG + np.asarray([t.get("env_reward", 0.0) for t in
-                                              groups.trajectories], np.float32).reshape(groups.P, G)
     return (dataclasses.replace(groups, texts=texts, rewards_PG=rewards_PG),
             {f"reward/{k}": v for k, v in stats.items()})
 

@@ -689,6 +689,8 @@ def _check_env(o: Options) -> None:
     ro = o.rollout
     if not ro.env:
         return
+    from lrl.envs.base import get
+    get(ro.env, "rollout.env")   # a registered name or "pkg.module:Factory"
     if o.task != "text":
         raise ValueError(f"rollout.env={ro.env!r} runs on the text task only, not task={o.task!r}")
     for bad, why in ((o.rl.uses_critic, f"rl.estimator={o.rl.estimator!r} (PPO's GAE)"),

@@ -10,13 +10,15 @@ re-rendering of the conversation (a template that drops earlier `<think>` blocks
 them) — with the model mask (`Result.model_masks`) as `Groups.masks`: the loss, the rollout
 correction and the mismatch metrics read model tokens only (`lrl.grpo.pack`).
 
-The reward of a trajectory (`trajectory_reward`) is the run's reward spec scored on the text
-of its model tokens (`lrl.collect.score`: the final answer, e.g. the last ``\\boxed{}``) plus
-the environment's per-turn rewards, summed (`rollout.turn_reward="sum"`) or discounted by
-`rollout.turn_discount` per turn ("discount"); GRPO's group is a prompt's G trajectories.
+The reward of a trajectory (`trajectory_reward`) is its environment's rewards, one a turn,
+the last the final answer's (`lrl.envs.ToolEnv` scores it with the run's `reward.spec`, which
+each row carries), summed (`rollout.turn_reward="sum"`) or discounted by
+`rollout.turn_discount` per turn ("discount"); a trajectory that ends without an answer (its
+token limit, `rollout.max_turns`, a timeout or an error) has no final reward. GRPO's group is
+a prompt's G trajectories.
 
     rollout_groups: make_driver -> collect._rollout(turns=driver) -> driver.results()
-                    -> Groups(masks, trajectories) -> (collect.score adds the final reward)
+                    -> Groups(masks, trajectories) -> collect.score (rewards = the env's)
 
 P prompts · G samples per prompt.
 """
@@ -41,18 +43,26 @@ def trajectory_reward(turn_rewards, mode: str, discount: float) -> float:
     raise ValueError(f"rollout.turn_reward={mode!r}; choose sum or discount")
 
 
-def driver_rows(prompts) -> list[dict]:
+def driver_rows(prompts, reward=None) -> list[dict]:
     """The rows an environment starts from, one per prompt: the prompt's metadata (a tool
-    task's table: `lrl.data.synthetic.tool_lookup`) with its answer and text."""
-    return [{**dict(p.meta), "answer": str(p.answer), "prompt": p.text} for p in prompts]
+    task's table: `lrl.data.synthetic.tool_lookup`) with its answer and text, and the final
+    answer's reward spec (`reward`: the run's terms) for environments that score one."""
+    extra = {} if reward is None else {"reward": reward}
+    return [{**dict(p.meta), "answer": str(p.answer), "prompt": p.text, **extra}
+            for p in prompts]
 
 
-def make_driver(s, prompts):
-    """The environment driver of one rollout of `prompts` under the run's options."""
+def make_driver(s, prompts, group_size: int):
+    """The environment driver of one rollout of `prompts` under the run's options: steps
+    run in the run's reward pool, the final answer scored by its terms (no pool: steps in
+    this process, and the environment's own reward)."""
     from lrl.envs.driver import Driver
     ro = s.rollout
-    return Driver(ro.env, driver_rows(prompts), s.tokenizer, template=s.tokenizer.chat_template,
-                  max_turns=ro.max_turns, pool=s.pool, timeout_s=ro.tool_timeout_s)
+    terms = None if s.pool is None else [(t.name, t.weight, dict(t.kwargs))
+                                         for t in s.pool.terms]
+    return Driver(ro.env, driver_rows(prompts, terms), s.tokenizer, max_turns=ro.max_turns,
+                  pool=s.pool, timeout_s=ro.tool_timeout_s, group_size=group_size,
+                  discount=ro.turn_discount if ro.turn_reward == "discount" else 1.0)
 
 
 def rollout_groups(s, params, prompts: list, *, group_size: int, seed: int,
@@ -60,10 +70,10 @@ def rollout_groups(s, params, prompts: list, *, group_size: int, seed: int,
                    driver_fn: Optional[Callable] = None):
     """G trajectories of every prompt -> unscored `Groups` with `masks` and `trajectories`
     (each sample's turns, tool calls, errors, timeouts, tool seconds, end and environment
-    reward); `stats` gains the scheduler's and the driver's numbers. `driver_fn(s, prompts)`
-    builds the driver (default `make_driver`)."""
+    reward); `stats` gains the scheduler's and the driver's numbers. `driver_fn(s, prompts,
+    group_size)` builds the driver (default `make_driver`)."""
     from lrl import collect
-    driver = (driver_fn or make_driver)(s, prompts)
+    driver = (driver_fn or make_driver)(s, prompts, group_size)
     try:
         res = collect._rollout(s, params, [p.ids for p in prompts], group_size=group_size,
                                seed=seed, temperature=temperature, stats=stats, turns=driver,
@@ -105,16 +115,11 @@ def groups_of(s, prompts: list, G: int, res, trajs: dict, env_metrics: dict,
             masks.append(mask)
             records.append(rec)
             truncated.append(rec["end"] == "length")
-    if stats is not None:
-        stats.update({f"env_{k}": v for k, v in env_metrics.items() if np.isscalar(v)})
+    if stats is not None:   # "env/x" -> rollout/env_x among the rollout's metrics
+        stats.update({k.replace("/", "_"): v for k, v in env_metrics.items()
+                      if np.isscalar(v)})
     return Groups(tuple(prompts), tuple(completions), tuple(logps), G,
                   np.asarray(truncated, bool), masks=tuple(masks), trajectories=tuple(records))
-
-
-def model_text_ids(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """The tokens of a trajectory the model sampled (its turns, joined): what the reward
-    spec scores, so an observation can never carry the answer's box for it."""
-    return np.asarray(ids)[np.asarray(mask) > 0]
 
 
 def metrics(groups) -> dict:

@@ -220,16 +220,10 @@ class _Tok:
         return "".join(chr(int(i)) for i in ids)
 
 
-class _Pool:
-    def score(self, items):
-        from lrl.rewards.synthetic import synthetic_reward
-        return [synthetic_reward(c, a) for c, a, _ in items], {"n_items": len(items)}
-
-
 def test_groups_of_trajectories_score_the_model_text_and_add_the_turn_rewards():
     s = _setup()
     enc = lambda t: np.array([ord(c) for c in t], np.int32)  # noqa: E731
-    # Sample 0 boxes the answer itself; sample 1 only reads it in an observation.
+    # Sample 1 only reads the answer's box in an observation (its text is the model's).
     parts0 = [("call|", 1), ("obs 7|", 0), ("\\boxed{7}", 1)]
     parts1 = [("call|", 1), ("\\boxed{7}|", 0), ("\\boxed{3}", 1)]  # the box was observed
     t0, t1 = ("".join(t for t, _ in p) for p in (parts0, parts1))
@@ -237,17 +231,17 @@ def test_groups_of_trajectories_score_the_model_text_and_add_the_turn_rewards():
               for p in (parts0, parts1))
     res = _Res([[(enc(t0), np.zeros(len(t0))), (enc(t1), np.zeros(len(t1)))]],
                [[m0, m1]], [["stop", "length"]])
-    trajs = {(0, 0): _Traj(0.0, [0.2, 0.4], 2, 1, 0, 0, 0.01, "done"),
+    trajs = {(0, 0): _Traj(0.0, [0.2, 1.0], 2, 1, 0, 0, 0.01, "done"),
              (0, 1): _Traj(0.0, [0.0, 0.0], 2, 1, 1, 0, 0.02, "max_turns")}
     stats = {}
     prompts = [Prompt(np.arange(3, dtype=np.int32), "7", {}, "")]
-    g = trajectories.groups_of(s, prompts, 2, res, trajs, {"calls": 2}, stats)
+    g = trajectories.groups_of(s, prompts, 2, res, trajs, {"env/calls": 2}, stats)
     assert stats == {"env_calls": 2}
     assert g.truncated.tolist() == [False, True]
     assert [t["end"] for t in g.trajectories] == ["done", "length"]
-    scored, _ = collect.score(g, _Pool(), _Tok())
-    # 1.0 for the box + 0.2 + 0.5 * 0.4 (turn_discount 0.5); the observation's box scores 0
-    np.testing.assert_allclose(scored.rewards_PG, [[1.4, 0.0]], rtol=1e-6)
+    scored, _ = collect.score(g, None, _Tok())   # the environment scored them: no pool
+    # 0.2 + 0.5 * 1.0 (turn_discount 0.5), the final answer's reward the last turn's
+    np.testing.assert_allclose(scored.rewards_PG, [[0.7, 0.0]], rtol=1e-6)
     assert scored.texts[1] == "call|\\boxed{3}"
     m = collect.rollout_metrics(scored)
     assert m["turns/turns_mean"] == 2 and m["turns/tool_errors_mean"] == 0.5
@@ -264,12 +258,16 @@ def test_groups_of_trajectories_score_the_model_text_and_add_the_turn_rewards():
 def test_tools_config_checks_what_multi_turn_does_not_run_with():
     c = config_util.load(os.path.join(ROOT, "configs", "default.py"), "tools")
     o = options.from_config(c, check_files=False)
-    assert o.rollout.env == "tool" and o.data.task == "tool_lookup"
+    assert o.rollout.env == "tools" and o.data.task == "tool_lookup"
     c.rollout.partial = True
-    with pytest.raises(ValueError, match="rollout.env='tool' is not built with "
+    with pytest.raises(ValueError, match="rollout.env='tools' is not built with "
                                          "rollout.partial=True"):
         options.from_config(c, check_files=False)
     c = config_util.load(os.path.join(ROOT, "configs", "default.py"), "tools")
     c.rollout.max_turn_tokens = 1000
     with pytest.raises(ValueError, match="rollout.max_turn_tokens=1000 > rl.max_new_tokens"):
+        options.from_config(c, check_files=False)
+    c = config_util.load(os.path.join(ROOT, "configs", "default.py"), "tools")
+    c.rollout.env = "toolz"
+    with pytest.raises(ValueError, match="rollout.env='toolz': unknown environment"):
         options.from_config(c, check_files=False)
