@@ -271,3 +271,106 @@ def test_tools_config_checks_what_multi_turn_does_not_run_with():
     c.rollout.env = "toolz"
     with pytest.raises(ValueError, match="rollout.env='toolz': unknown environment"):
         options.from_config(c, check_files=False)
+
+
+# ----------------------------------------------------------------------------- exact tokens
+
+from lrl.envs import base as env_base   # noqa: E402
+
+
+@env_base.register("test_always_answers")
+class _AlwaysAnswers(env_base.Environment):
+    """Answers every model turn with the same tool result; the driver's max_turns ends it."""
+    role = "tool"
+
+    def step(self, turn_text, turn_tokens):
+        return env_base.Step("42", 0.0, False, {"tool_calls": 1})
+
+
+def _bigram_params(cfg, chain: dict, seed: int = 0):
+    """Weights whose greedy next token is `chain[current token]`: the layers add nothing to
+    the residual stream (zero output projections), so the logits read the current token's
+    embedding alone through an lm head that maps it to its successor."""
+    params = jax.tree.map(np.asarray, models.init_params(cfg, jax.random.key(seed)))
+    params["layers"]["o_proj"]["kernel"] = np.zeros_like(params["layers"]["o_proj"]["kernel"])
+    params["layers"]["down_proj"]["kernel"] = np.zeros_like(
+        params["layers"]["down_proj"]["kernel"])
+    rng = np.random.RandomState(seed)
+    emb = rng.randn(cfg.vocab_size, cfg.d_model).astype(np.float32)
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    head = np.zeros((cfg.d_model, cfg.vocab_size), np.float32)
+    for cur, nxt in chain.items():
+        head[:, nxt] += 0.5 * emb[cur]   # a clear argmax, log-probs far from 0
+    params["embed"]["embedding"], params["lm_head"] = emb, head
+    return jax.tree.map(jax.numpy.asarray, params)
+
+
+def test_the_update_sees_the_engines_tokens_turn_by_turn_never_a_rerendering(tool_tok):
+    """Three model turns, each thinking then calling a tool, with the tool's answers between
+    them, sampled by the engine (the scheduler pauses each trajectory for the driver's
+    environment step and prefills the observation after it): the rows the update trains
+    hold exactly the sampled turns and the inserted observations, turn by turn, with the loss
+    on the model's turns only and the sampler's log-probs those of the trainer's forward. The
+    template drops earlier <think> blocks, so rendering the conversation again would not."""
+    tok = tool_tok
+    ids = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    nl, eos = ids("\n")[0], tok.eos_token_id
+    turn = [tok.convert_tokens_to_ids("<think>"), ids("a")[0],
+            tok.convert_tokens_to_ids("</think>"), tok.convert_tokens_to_ids("<tool_call>"),
+            ids("b")[0], tok.convert_tokens_to_ids("</tool_call>"), eos]
+    chain = dict(zip([nl] + turn[:-1], turn))
+    cfg = models.ModelConfig(model_type="qwen2", vocab_size=len(tok), d_model=64, n_layers=1,
+                             n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=64, remat="none",
+                             tie_embeddings=False)
+    params = _bigram_params(cfg, chain)
+    from lrl.envs.render import observation_ids
+    from lrl.rl import update as upd
+    obs = observation_ids(tok, [{"role": "tool", "content": "42"}], last_token=eos,
+                          end_ids=(eos,))
+    assert obs[-1] == nl          # the next assistant header ends as the prompt's does
+    s = dataclasses.replace(
+        _setup(), tokenizer=tok, model_cfg=cfg, eos_ids=(eos,), row_len=128,
+        rl=_rl(max_new_tokens=96, temperature=0.0, minibatches=1),
+        logprobs=upd.make_logprobs_fn(cfg, chunk=64),
+        rollout=dataclasses.replace(_setup().rollout, env="test_always_answers", max_turns=3,
+                                    turn_reward="sum"))
+    messages = [{"role": "user", "content": "Look up key ab."}]
+    prompt_ids = np.asarray(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False), np.int32)
+    prompts = [Prompt(prompt_ids, "42", {}, "")]
+    stats = {}
+    g = collect.rollout_groups(s, params, prompts, group_size=2, seed=0, stats=stats)
+    want = turn + obs + turn + obs + turn
+    want_mask = [1] * 7 + [0] * len(obs) + [1] * 7 + [0] * len(obs) + [1] * 7
+    for c, m, rec in zip(g.completions, g.masks, g.trajectories):
+        assert c.tolist() == want and m.tolist() == want_mask
+        assert rec["turns"] == 3 and rec["end"] == "max_turns" and rec["tool_calls"] == 3
+    assert stats["env_end_max_turns"] == 2 and stats["env_observed_tokens"] == 4 * len(obs)
+    # The rows of the update: prompt + trajectory, token for token, the loss on model turns.
+    g, _ = collect.score(g, None, tok)
+    batches, _ = grpo.minibatches(s, g, np.array([[1.0, -1.0]], np.float32), np.ones(2))
+    mb = batches[0].micro[0]
+    seg, P = np.asarray(mb["segment_ids"]), len(prompt_ids)
+    held = [(b, k) for b in range(seg.shape[0]) for k in range(1, seg[b].max() + 1)]
+    assert len(held) == 2
+    # The sampler's log-probs of the model's tokens are the trainer's on those rows (0.0 on
+    # the observations, which the sampler did not draw).
+    trainer = np.asarray(s.logprobs(params, mb, None))
+    for i, (b, k) in enumerate(held):
+        on = seg[b] == k
+        assert np.asarray(mb["tokens"])[b][on].tolist() == prompt_ids.tolist() + want
+        np.testing.assert_array_equal(np.asarray(mb["loss_mask"])[b][on][P - 1:-1], want_mask)
+        model = np.asarray(want_mask) > 0
+        assert (g.logps[i][~model] == 0).all() and (g.logps[i][model] < -0.1).all()
+        np.testing.assert_allclose(trainer[b][on][P - 1:-1][model], g.logps[i][model],
+                                   atol=1e-4)
+    # The conversation rendered again drops the first two turns' thinking: other tokens.
+    text = lambda t: tok.decode(t, skip_special_tokens=True)  # noqa: E731
+    convo = messages + [
+        {"role": "assistant", "content": text(turn[:-1])}, {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": text(turn[:-1])}, {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": text(turn[:-1])}]
+    again = tok.apply_chat_template(convo, tokenize=True, return_dict=False)
+    assert again[:len(prompt_ids)] == prompt_ids.tolist()
+    assert again[len(prompt_ids):][:len(want)] != want
+    assert again.count(turn[0]) == 1 and want.count(turn[0]) == 3
