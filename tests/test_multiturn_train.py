@@ -122,27 +122,33 @@ def _groups(obs_logp=0.0):
                           rewards_PG=np.array([[1.0, 0.0]], np.float32), masks=MASKS)
 
 
-def test_rows_hold_the_trajectory_tokens_and_the_loss_mask_is_the_model_mask():
-    s = _setup()
+@pytest.mark.parametrize("shared", ["off", "on"])
+def test_rows_hold_the_trajectory_tokens_and_the_loss_mask_is_the_model_mask(shared):
+    """Each trajectory's tokens are a segment's (after its prompt, held once for the group
+    with the shared-prompt layout), the loss on the model's tokens alone."""
+    s = _setup(shared_prompt=shared)
     g = _groups()
     rows, _, _ = grpo.pack(s, g, np.array([[1.0, -1.0]], np.float32), np.ones(2),
                            np.arange(2))
     seg = rows["segment_ids"]
+    assert rows["prefix_ids"].any() == (shared == "on")
     for i, (c, m) in enumerate(zip(g.completions, MASKS)):
-        # Find the segment holding prompt + completion i, token for token.
-        want = np.concatenate([g.prompts[0].ids, c])
+        # The segment that ends with completion i; its targets are the completion's tokens.
         hits = [(b, k) for b in range(seg.shape[0]) for k in range(1, seg[b].max() + 1)
-                if np.array_equal(rows["tokens"][b][seg[b] == k], want)]
+                if np.array_equal(rows["tokens"][b][seg[b] == k][-c.size:], c)]
         assert len(hits) == 1, i
         b, k = hits[0]
         on = seg[b] == k
-        # Position t trains target t+1: the completion's tokens are targets from the
-        # prompt's last position on; the loss covers exactly the model's tokens.
-        loss = rows["loss_mask"][b][on][len(g.prompts[0].ids) - 1:][:c.size]
-        np.testing.assert_array_equal(loss, m.astype(np.float32))
-        pos = rows["response_pos"][b][on][len(g.prompts[0].ids) - 1:][:c.size]
-        np.testing.assert_array_equal(pos > 0, m > 0)   # the mismatch reads model tokens
-        assert not rows["loss_mask"][b][on][:len(g.prompts[0].ids) - 1].any()
+        n = on.sum()
+        if shared == "off":
+            np.testing.assert_array_equal(rows["tokens"][b][on][:n - c.size], g.prompts[0].ids)
+        # Position t trains target t+1, in the shared layout too (a response segment is the
+        # prompt's last token, then the response): the loss covers the model's tokens.
+        at = slice(n - c.size - 1, n - 1)
+        np.testing.assert_array_equal(rows["targets"][b][on][at], c)
+        np.testing.assert_array_equal(rows["loss_mask"][b][on][at], m.astype(np.float32))
+        np.testing.assert_array_equal(rows["response_pos"][b][on][at] > 0, m > 0)  # mismatch
+        assert rows["loss_mask"][b][on].sum() == m.sum()
 
 
 def test_observation_tokens_get_no_gradient_and_no_share_in_the_update():
