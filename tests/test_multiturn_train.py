@@ -380,3 +380,17 @@ def test_the_update_sees_the_engines_tokens_turn_by_turn_never_a_rerendering(too
     assert again[:len(prompt_ids)] == prompt_ids.tolist()
     assert again[len(prompt_ids):][:len(want)] != want
     assert again.count(turn[0]) == 1 and want.count(turn[0]) == 3
+
+
+@pytest.mark.slow
+def test_tools_runlocal_runs_multi_turn_through_the_one_loop(tmp_path):
+    """`configs/default.py:tools_runlocal`: the tokenizer with the tool tokens, the SFT warm
+    start on whole conversations, multi-turn GRPO steps and held-out evals through the
+    reward pool's workers, checkpoints; every step reports its trajectories."""
+    from lrl import loop
+    c = config_util.load(os.path.join(ROOT, "configs", "default.py"), "tools_runlocal")
+    m = loop.run(c, str(tmp_path))["grpo"]
+    assert m["rollout/env_trajectories"] == 2 * 4 and m["turns/turns_mean"] >= 1
+    assert m["turns/generated_tokens"] > 0 and "eval/pass@4" in m and np.isfinite(m["loss"])
+    tok = tok_lib.load_tokenizer(str(tmp_path / "tokenizer"))
+    assert tok.convert_tokens_to_ids("<tool_call>") == 314   # vocab_size - 6
