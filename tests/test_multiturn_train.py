@@ -39,7 +39,7 @@ def test_tool_task_keeps_the_table_out_of_the_prompt_and_demonstrates_the_call()
     assert call["content"] == ('<tool_call>{"name": "lookup", "arguments": {"key": "%s"}}'
                                '</tool_call>' % key)
     assert obs == {"role": "tool", "content": ex["answer"]}
-    assert final["content"] == f"<think>{key}: {ex['answer']}</think>\n\\boxed{{{ex['answer']}}}"
+    assert final["content"] == f"\\boxed{{{ex['answer']}}}"   # the tool's answer, boxed
     # Noisy demonstrations skip the tool and box a wrong guess (one turn).
     noisy = [synthetic.sft_example("tool_lookup", 0, i, answer_noise=0.5, **KW)
              for i in range(40)]

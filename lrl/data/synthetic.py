@@ -40,8 +40,8 @@ TOOL FORMAT (``tool_lookup``; Qwen2.5's, as `lrl.envs` parses it): the first mod
 ``<tool_call>{"name": "lookup", "arguments": {"key": "qz"}}</tool_call>`` and ends with the
 turn's EOS; the observation is the chat template's tool message, ``<|im_start|>user\n
 <tool_response>\n482\n</tool_response><|im_end|>\n<|im_start|>assistant\n`` (`TOOL_TEMPLATE`
-of `lrl.data.tokenizer`); the second model turn is the boxed answer in the shape above, with
-``{steps}`` the line ``qz: 482``.
+of `lrl.data.tokenizer`); the second model turn is the boxed answer, ``\\boxed{482}`` (its SFT
+demonstrations do not think: `tool_conversation`).
 
 `sft_example` gives ``{"messages", "response", "answer", "task", "metadata"}`` records for the
 warm start; `synthetic_corpus` gives texts to train the local tokenizer on.
@@ -162,7 +162,10 @@ def tool_conversation(example: dict[str, Any], think: bool = True,
                       boxed: str | None = None, call: bool = True) -> list[dict[str, str]]:
     """The assistant / tool messages after the prompt of a tool task's demonstration: a
     ``lookup`` call, the tool's answer, the boxed answer (boxing `boxed` when given). With
-    `call` False: the boxed answer alone (a demonstration that skips the tool)."""
+    `call` False: the boxed answer alone (a demonstration that skips the tool). With `think`
+    the final turn first repeats the line it read (``<think>qz: 482</think>``); the tool
+    task's SFT leaves it out: the tool's response is the reasoning, and a tiny model learns
+    one copy of the value faster than two."""
     final = sft_response(example, think=think, boxed=boxed)
     if not call:
         return [{"role": "assistant", "content": final}]
@@ -249,7 +252,7 @@ def sft_example(task: str, seed: int, index: int, think: bool = True, answer_noi
         if rng.random() < answer_noise:
             boxed = wrong_answer(example["answer"], rng)
     if task in TOOL_TASKS:
-        turns = tool_conversation(example, think=think, boxed=boxed, call=boxed is None)
+        turns = tool_conversation(example, think=False, boxed=boxed, call=boxed is None)
         return {**example, "turns": turns, "response": render_turns(turns)}
     return {**example, "response": sft_response(example, think=think, boxed=boxed)}
 
