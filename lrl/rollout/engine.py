@@ -671,17 +671,19 @@ class Engine:
     def run_extend(self, params, state: DecodeState, extensions) -> DecodeState:
         """Prefills each extension's tokens into its pages after the positions they hold, in
         `prefill_chunk` calls [R, C] that attend to the pages already written: C
-        `extend_chunk`'s, R = turn_prefill_tokens // C rows (1 to max_slots), so one program
-        per C whatever the number of samples (`compile_extend` compiles them up front)."""
+        `extend_chunk`'s, R = turn_prefill_tokens // C rows (1 to max_slots), or a quarter of
+        that when a quarter holds them: two programs per C whatever the number of samples
+        (`compile_extend` compiles them up front)."""
         kp, vp = state.k_pages, state.v_pages
         by_chunk: dict[int, list] = {}
         for x in extensions:
             by_chunk.setdefault(self.extend_chunk(len(x.tokens)), []).append(x)
         for C, group in sorted(by_chunk.items()):
             for start in range(0, max(len(x.tokens) for x in group), C):
-                for part in _batches([x for x in group if len(x.tokens) > start],
-                                     self._extend_rows(C)):
-                    kp, vp = self._extend_call(params, kp, vp, part, start, C)
+                todo = [x for x in group if len(x.tokens) > start]
+                R = self._extend_rows(C, len(todo))
+                for part in _batches(todo, R):
+                    kp, vp = self._extend_call(params, kp, vp, part, start, R, C)
         return state._replace(k_pages=kp, v_pages=vp)
 
     def compile_extend(self, params, state: DecodeState, lengths) -> DecodeState:
@@ -689,16 +691,20 @@ class Engine:
         empty rows (every token written to the null page). -> the state."""
         kp, vp = state.k_pages, state.v_pages
         for C in sorted({self.extend_chunk(n) for n in lengths}):
-            kp, vp = self._extend_call(params, kp, vp, [], 0, C)
+            for R in sorted({self._extend_rows(C, 1), self._extend_rows(C, 1 << 30)}):
+                kp, vp = self._extend_call(params, kp, vp, [], 0, R, C)
         return state._replace(k_pages=kp, v_pages=vp)
 
-    def _extend_rows(self, C: int) -> int:
-        return max(1, min(self.ecfg.max_slots, self.ecfg.turn_prefill_tokens // C))
+    def _extend_rows(self, C: int, needed: int) -> int:
+        """R of an extension call of C tokens a row for `needed` rows: the full R, or a
+        quarter of it when that holds them (a round resumes a few samples more often than
+        many: a full call computed mostly padding)."""
+        full = max(1, min(self.ecfg.max_slots, self.ecfg.turn_prefill_tokens // C))
+        return max(1, full // 4) if needed <= full // 4 else full
 
-    def _extend_call(self, params, kp, vp, extensions, at: int, C: int):
+    def _extend_call(self, params, kp, vp, extensions, at: int, R: int, C: int):
         """One `prefill_chunk` call [R, C]: tokens [at, at + C) of each extension, one a row,
         at cache positions from its start on."""
-        R = self._extend_rows(C)
         tokens = np.zeros((R, C), np.int32)
         start, n_valid = np.zeros(R, np.int32), np.zeros(R, np.int32)
         table = np.full((R, self.ecfg.pages_per_slot), NULL_PAGE, np.int32)

@@ -74,7 +74,8 @@ class Request:
 
     `stop_fn(finished, sampled) -> bool` is asked after every collected decode call, with the
     (p, g) samples that call finished and the tokens sampled so far; True stops the rollout
-    there: a live sample returns what it sampled, a waiting one nothing. `stop_below` (with
+    there: a live sample returns what it sampled (a multi-turn one waiting on its
+    environment too), one not started (or preempted, single-turn) nothing. `stop_below` (with
     `stop_fn`): also stop once no sample waits and fewer than that many slots are live (the
     rollout's tail, where a decode step costs nearly as much for few rows). `kept[p]` (a
     `Kept` handle or None per prompt; a prompt of one sample: its prompt and tokens so far)
@@ -213,7 +214,7 @@ class Policy:
 class Result:
     """What a rollout sampled: `samples[p][g]` = (token ids int32, log-probs float32);
     `unfinished`: the (p, g) a stop cut short, sorted (a live one returned its tokens so far,
-    a waiting one none); `kept[(p, g)]`: with `Request.keep_kv`, the `Kept` handle of a
+    one not started none); `kept[(p, g)]`: with `Request.keep_kv`, the `Kept` handle of a
     stopped sample's pages left in the pool (a kept sample that did not get a slot stays
     kept, under (p, 0)). `model_masks[p][g]`: int8 per token of `samples[p][g][0]`, 1 where
     the model sampled it, 0 for an observation's (whose log-prob is 0.0); all ones without

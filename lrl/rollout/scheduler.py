@@ -78,8 +78,8 @@ def run(engine: Engine, params, request: Request, *, policy: Policy = Policy(),
             if r.in_flight is not None:   # it may end turns
                 collect(r, r.in_flight)
                 r.in_flight = None
-            if r.paused or r.turn_queue:
-                turns.poll(r, block=not r.turn_queue)   # nothing else can run
+            if r.paused and not r.turn_queue:   # nothing else can run
+                turns.poll(r, block=True)
                 continue
             if r.waiting():
                 raise RuntimeError("no sample could be admitted although the pool is empty; "
@@ -104,7 +104,9 @@ def admit(r: Rollout) -> None:
     keep = sum(e.pages_short(s, r.slots[s].cached + 2 * k + 1) for s in r.admitted) \
         if r.grow else 0
     keep, extensions = turns.admit(r, keep, plans, new_prefixes, closed)
-    while r.free and r.waiting() and not r.turn_queue:
+    # Resumed samples first; new ones too if none of those fits and no slot is live (a
+    # prompt's open prefix holds pages until its last sample is admitted).
+    while r.free and r.waiting() and (not r.turn_queue or not r.admitted):
         p, g, last = _head(r)
         T, sid = len(r.prompts[p]), r.first_id[p] + g
         n = _limit(r, p, sid)
