@@ -181,6 +181,10 @@ def test_tool_env_answers_calls_and_scores_the_final_answer():
     assert env.step("It is \\boxed{13}", None).reward == 0.0
     with pytest.raises(ValueError, match="answer"):
         env.reset({"question": "x"})
+    # without a reward spec the env only ends the trajectory: the run's reward scores it
+    plain = envs.make("tools")
+    plain.reset({"question": "x"})
+    assert plain.step("It is \\boxed{12}", None) == Step(None, 0.0, True)
 
 
 def test_registry_names_the_registered_environments():
@@ -358,6 +362,10 @@ def test_driver_ends_max_turns_room_cut_and_error_with_counts():
     assert driver.metrics()["env/errors"] == 2
     with pytest.raises(RuntimeError, match="nothing will ever be ready"):
         driver.ready(block=True)
+    with pytest.raises(TypeError, match="pool must be a lrl.rewards.RewardPool"):
+        envs.Driver("test_countdown", [{}], TOK, pool=object())
+    with pytest.raises(ValueError, match="failed to reset on row 0"):
+        envs.Driver("tools", [{"question": "no answer"}], TOK, env_kwargs={"reward": "math"})
     with pytest.raises(RuntimeError, match="which has error"):
         driver.turn_ended((0, 1), np.array([5]), 10, False)
 
@@ -431,6 +439,10 @@ def test_driver_in_workers_counts_errors_and_hangs_and_the_pool_recovers(pool):
     bad = envs.Driver("test_countdown", [{}], TOK, pool=pool, env_kwargs={"bad": True})
     run_scheduler(bad, {(0, 0): ["a"]})
     assert bad.results()[(0, 0)].error == "step returned a dict, not a Step"
+    from lrl.envs.driver import _check_step
+    assert "unreadable" in _check_step(Step(reward="x"))
+    assert "reward nan" in _check_step(Step(reward=float("nan")))
+    assert "unreadable" in _check_step(Step(info=[1]))
 
 
 def test_driver_close_cancels_running_steps(pool):
@@ -444,3 +456,72 @@ def test_driver_close_cancels_running_steps(pool):
     driver.close()
     assert pool.n_restarts == restarts + 1 and pool.in_flight() == 0
     assert driver.results()[(0, 0)].end == "length"
+
+
+def test_observation_ids_with_the_embedded_tokenizer_match_a_full_render():
+    """A real byte-level BPE tokenizer and lrl's embedded ChatML template (which keeps every
+    turn as written, so its full render is a reference): the trajectory built turn by turn is
+    the tokenisation of the whole conversation."""
+    from lrl.data.synthetic import synthetic_corpus
+    from lrl.data.tokenizer import build_tokenizer
+    tok = build_tokenizer(synthetic_corpus(200), 300)
+    eos = tok.eos_token_id
+    convo = [{"role": "user", "content": "What is 12 * 34? Use the tool."}]
+    ids = tok.apply_chat_template(convo, tokenize=True, add_generation_prompt=True)
+    ids = list(getattr(ids, "input_ids", ids))
+    for turn, obs in [("<think>long</think>calc 12 * 34", "408"), ("So 408.", None)]:
+        ids += tok.encode(turn, add_special_tokens=False) + [eos]
+        convo.append({"role": "assistant", "content": turn})
+        if obs is not None:
+            ids += envs.observation_ids(tok, [{"role": "tool", "content": obs}], last_token=eos,
+                                        end_ids=[eos])
+            convo.append({"role": "tool", "content": obs})
+    full = tok.apply_chat_template(convo, tokenize=False)
+    assert ids == tok.encode(full.rstrip("\n"), add_special_tokens=False)
+
+
+def test_the_worked_example_guessing_game():
+    from experiments.plugins import guess_env
+    driver = envs.Driver("experiments.plugins.guess_env:Guess", [{"secret": 37}, {"seed": 3}],
+                         TOK, max_turns=5)
+    assert driver.first_observation(0).startswith("I am thinking of a whole number from 1 to 100")
+    tokens, _ = run_scheduler(driver, {(0, 0): ["<think>99?</think>50", "I'll say 25", "37"],
+                                       (0, 1): ["no idea", "37"]})
+    res = driver.results()
+    assert (res[(0, 0)].end, res[(0, 0)].turns, res[(0, 0)].reward) == ("done", 3, 0.9)
+    assert res[(0, 1)].reward == pytest.approx(0.95)
+    assert TOK.decode(tokens[(0, 0)]).count("<|im_start|>user\nlower<|im_end|>") == 1
+    # bisection finds any secret in at most 7 guesses
+    for row in guess_env.rows(20):
+        env = envs.make(guess_env.Guess)
+        env.reset(row)
+        lo, hi = 1, 100
+        for turn in range(7):
+            step = env.step(str((lo + hi) // 2), None)
+            if step.done:
+                break
+            lo, hi = ((lo + hi) // 2 + 1, hi) if step.observation == "higher" else \
+                (lo, (lo + hi) // 2 - 1)
+        assert step.done and step.reward == pytest.approx(1 - 0.05 * turn)
+
+
+def test_tool_env_in_the_workers(pool):
+    row = {"answer": "440040051", "reward": "exact", "meta": {"extract": "boxed"}}
+    call = ('<tool_call>{"name": "calc", "arguments": {"expression": "48213 * 9127"}}'
+            '</tool_call>')
+    driver = envs.Driver("tools", [row], TOK, pool=pool, max_turns=3)
+    tokens, masks = run_scheduler(driver, {(0, 0): [call, "\\boxed{440040051}"],
+                                           (0, 1): [call, call, call]})
+    res = driver.results()
+    assert (res[(0, 0)].end, res[(0, 0)].reward, res[(0, 0)].tool_calls) == ("done", 1.0, 1)
+    assert (res[(0, 1)].end, res[(0, 1)].tool_calls, res[(0, 1)].reward) == ("max_turns", 3, 0)
+    assert "<tool_response>\n440040051\n</tool_response>" in TOK.decode(tokens[(0, 0)])
+
+
+def test_loading_a_calls_module_in_the_worker_does_not_count_against_its_limit(pool):
+    from tests import slow_import_helper
+    ticket = pool.submit(slow_import_helper.double, 21, timeout_s=0.5)
+    out = []
+    while not out:
+        out = pool.poll(None, [ticket])
+    assert out == [(ticket, "ok", 42)]

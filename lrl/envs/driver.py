@@ -65,6 +65,20 @@ def _run_step(env: Environment, text: str, tokens: np.ndarray):
     return env, out, time.perf_counter() - t0
 
 
+def _check_step(step) -> Optional[str]:
+    """None if `step` is a Step the driver can read, else what is wrong with it."""
+    if not isinstance(step, Step):
+        return f"step returned a {type(step).__name__}, not a Step"
+    try:
+        reward = float(step.reward)
+        counts = [int(step.info.get(k, 0)) for k in ("tool_calls", "tool_errors")]
+    except (TypeError, ValueError, AttributeError) as e:
+        return f"step returned an unreadable reward or info: {type(e).__name__}: {e}"
+    if not math.isfinite(reward) or min(counts) < 0:
+        return f"step returned reward {step.reward} and counts {counts}"
+    return None
+
+
 @dataclasses.dataclass
 class _Live:
     env: Environment
@@ -103,6 +117,9 @@ class Driver:
             raise ValueError(f"Driver: max_turns must be >= 1, got {max_turns}")
         if on_room not in ON_ROOM:
             raise ValueError(f"Driver: on_room must be one of {ON_ROOM}, got {on_room!r}")
+        if pool is not None and not all(hasattr(pool, a) for a in ("submit", "poll", "cancel")):
+            raise TypeError(f"Driver: pool must be a lrl.rewards.RewardPool (submit / poll / "
+                            f"cancel), got {type(pool).__name__}")
         if not 0.0 < discount <= 1.0:
             raise ValueError(f"Driver: discount must be in (0, 1], got {discount}")
         self.tokenizer, self.template, self.pool = tokenizer, template, pool
@@ -190,14 +207,11 @@ class Driver:
             return key, None
         live.env, step, seconds = payload
         traj.tool_s += seconds
-        if not isinstance(step, Step):
-            self._end(live, "error", f"step returned a {type(step).__name__}, not a Step")
+        problem = _check_step(step)
+        if problem is not None:
+            self._end(live, "error", problem)
             return key, None
-        reward = float(step.reward)
-        if not math.isfinite(reward):
-            self._end(live, "error", f"step returned a non-finite reward {step.reward}")
-            return key, None
-        traj.turn_rewards.append(reward)
+        traj.turn_rewards.append(float(step.reward))
         traj.reward = sum(r * self.discount ** t for t, r in enumerate(traj.turn_rewards))
         traj.tool_calls += int(step.info.get("tool_calls", 0))
         traj.tool_errors += int(step.info.get("tool_errors", 0))

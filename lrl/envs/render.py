@@ -24,6 +24,7 @@ from typing import Optional
 _MARKER = "\u2063lrl-turn-end-marker\u2063"
 # A stand-in conversation: templates need a user message (Qwen3's raises without one).
 _STAND_IN = ({"role": "user", "content": "."}, {"role": "assistant", "content": _MARKER})
+_CLOSE: dict = {}   # (template, bos, eos, kwargs) -> how it closes an assistant turn
 
 
 def render_text(tokenizer, messages: Sequence[Mapping], *, chat_template: Optional[str] = None,
@@ -44,12 +45,18 @@ def render_text(tokenizer, messages: Sequence[Mapping], *, chat_template: Option
         raise ValueError("observation_ids: the chat template does not render an assistant "
                          "message's content once, verbatim; cannot place the observation")
     suffix = text[at + len(_MARKER):]
-    without = tokenizer.apply_chat_template(
-        list(_STAND_IN), tokenize=False, add_generation_prompt=False,
-        chat_template=chat_template, **template_kwargs)
     # The end-of-turn text of the assistant message as the template closes it, for the
     # check below: the observation must come after it, or the template lost the messages.
-    close = without[without.find(_MARKER) + len(_MARKER):]
+    # (what the text depends on: the template and the tokens it may name, not the tokenizer)
+    cache_key = (chat_template or getattr(tokenizer, "chat_template", None),
+                 getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None),
+                 repr(sorted(template_kwargs.items())))
+    close = _CLOSE.get(cache_key)
+    if close is None:
+        without = tokenizer.apply_chat_template(
+            list(_STAND_IN), tokenize=False, add_generation_prompt=False,
+            chat_template=chat_template, **template_kwargs)
+        close = _CLOSE[cache_key] = without[without.find(_MARKER) + len(_MARKER):]
     if close and not suffix.startswith(close) and not suffix.startswith(close.rstrip()):
         raise ValueError(f"observation_ids: the template closes the assistant turn with "
                          f"{close!r} alone but with {suffix[:len(close)]!r} when messages "

@@ -13,10 +13,12 @@ Each call parses to `ToolCall(name, arguments, error)`; a malformed one has `err
 is answered with that error (it counts as a call and as a tool error), never raised.
 
 `ToolEnv`: a turn with calls gets their results as the observation (one tool message each);
-a turn without calls is the final answer, which ends the trajectory scored by the row's
+a turn without calls is the final answer, which ends the trajectory. Its reward is the row's
 reward (`row["reward"]`, else the env's `reward`: any spec `lrl.rewards.combine` takes)
-against `row["answer"]`, with the row's "meta" as the reward's keyword arguments. The row may
-also narrow the tools (`row["tools"]`) and carry a "table" for `lookup`.
+scored on the final turn against `row["answer"]`, with the row's "meta" as the reward's
+keyword arguments; with neither (the default), the final turn's reward is 0 and the training
+loop's reward spec scores the trajectory's answer (`lrl.trajectories`), so nothing is counted
+twice. The row may also narrow the tools (`row["tools"]`) and carry a "table" for `lookup`.
 """
 from __future__ import annotations
 
@@ -114,14 +116,15 @@ class ToolEnv(Environment):
     """Tool use until a final answer (see the module docstring).
 
     Args:
-      reward: the final answer's reward spec when the row has no "reward" (default "math").
+      reward: the final answer's reward spec when the row has no "reward"; None (default):
+        the env gives no final reward (the run's reward spec scores the answer).
       tools: the tools offered (default: every registered one); a row's "tools" narrows them.
       fmt: the tool-call format ("auto", "qwen", "llama").
       max_calls: calls run per turn; more are answered with an error.
     """
     role = "tool"
 
-    def __init__(self, reward="math", tools: Optional[Sequence[str]] = None, fmt: str = "auto",
+    def __init__(self, reward=None, tools: Optional[Sequence[str]] = None, fmt: str = "auto",
                  max_calls: int = 8):
         if fmt not in FORMATS:
             raise ValueError(f"ToolEnv: fmt must be one of {FORMATS}, got {fmt!r}")
@@ -134,7 +137,7 @@ class ToolEnv(Environment):
         self.row: Mapping = {}
 
     def reset(self, row: Mapping) -> None:
-        if "answer" not in row:
+        if row.get("reward", self.reward) is not None and "answer" not in row:
             raise ValueError(f"ToolEnv: the row needs an 'answer' for the final reward; it has "
                              f"{sorted(row)}")
         self.row = dict(row)
@@ -145,9 +148,12 @@ class ToolEnv(Environment):
     def step(self, turn_text: str, turn_tokens) -> Step:
         calls = parse_tool_calls(turn_text, self.fmt)
         if not calls:
+            spec = self.row.get("reward", self.reward)
+            if spec is None:
+                return Step(None, 0.0, True)
             from lrl.rewards.registry import combine
             import lrl.rewards  # noqa: F401  (registers the built-in rewards)
-            fn = combine(self.row.get("reward", self.reward))
+            fn = combine(spec)
             meta = dict(self.row.get("meta") or {})
             return Step(None, float(fn(turn_text, str(self.row["answer"]), **meta)), True)
         results, errors = [], 0
