@@ -4,7 +4,8 @@ collects G samples per prompt and scores them (`lrl.collect`, with dynamic sampl
 minibatches of samples, packs each into rows and micro-batches of a few fixed shapes, takes
 the old and reference log-probs, and runs the updates. The device half (the update and
 log-prob programs, compiled once for each micro-batch shape, and the rollout engine) is built
-once by the loop and handed in as `Setup` (`lrl.step_setup`).
+once (`lrl.build.grpo`) and handed in as `Setup` (`lrl.step_setup`), with `Live`, what the
+steps change: PPO's state and the micro-batch shapes run so far.
 
 Each stage is a module-level function of plain values that returns new values (`Groups` is
 frozen), so the order of calls is the data flow below and each stage can be read, tested and
@@ -17,8 +18,8 @@ swapped alone:
 
 `step` is `collect.collect` then `learn` (everything from `shape_overlong` on), which the
 one-step-off pipeline (`lrl.pipeline`) calls on a batch it sampled a step ahead.
-With `rollout.partial`, `collect.collect_partial` takes `collect`'s place: the rollout stops
-on its budget and the groups still running are carried into the next step
+With `rollout.partial`, `collect_partial.collect_partial` takes `collect`'s place: the
+rollout stops on its budget and the groups still running are carried into the next step
 (`lrl.rollout.partial`); the step takes them in and hands the new carry back, and `learn`
 trains however many groups completed.
 
@@ -45,10 +46,10 @@ from typing import Optional
 import jax
 import numpy as np
 
-from lrl import collect, compiles, distributed, ppo, rl
+from lrl import collect, collect_partial, compiles, distributed, ppo, rl
 from lrl import mesh as mesh_lib
-from lrl.collect import Groups
-from lrl.step_setup import Setup
+from lrl.groups import Groups
+from lrl.step_setup import Live, Setup
 from lrl.data import packing, shared_prompt
 from lrl.rl import mismatch
 
@@ -138,7 +139,7 @@ def pack(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray,
         token_values["old_logp"] = [groups.logps[i] for i in samples]
     seq_values = {"advantages": adv_PG.reshape(-1)[samples]}
     correction_values(s.rl, groups, samples, token_values, seq_values)
-    if s.ppo is not None:   # advantages come after the rows' forward pass (`lrl.ppo`)
+    if s.rl.needs_ppo_pass:   # advantages come after the rows' forward pass (`lrl.ppo`)
         ppo.pack_values(samples, groups.rewards_PG.reshape(-1), groups.completions,
                         token_values, seq_values)
     ids = [p.ids for p in sample_prompts]
@@ -223,27 +224,28 @@ def _measured_micro_batches(fraction: float, micro_per_minibatch: list[list[dict
     return len(keep)
 
 
-def warm_up(s: Setup, params, batches: list[Minibatch]) -> None:
+def warm_up(s: Setup, live: Live, params, batches: list[Minibatch]) -> None:
     """Runs each micro-batch shape the run may take and has not run yet once, on empty rows
     (segment 0: no loss, no gradient), through the log-prob passes, the mismatch sums and
     the update's accumulation (into an accumulator then dropped: no optimizer step), so that
     every program compiles all its shapes in the run's first step, not in whichever later
-    step first needs one. The step's metrics see nothing of it."""
+    step first needs one (`live.warmed`: the shapes run so far). The step's metrics see
+    nothing of it."""
     from lrl.rl.update import compile_shapes
     cut = _cut(s)
     seen = {mb["tokens"].shape for b in batches for mb in b.micro}
     ahead = [(cut.shards * k, n) for k, n in cut.shapes()
-             if (cut.shards * k, n) not in s.warmed | seen]
-    s.warmed.update(seen, ahead)
+             if (cut.shards * k, n) not in live.warmed | seen]
+    live.warmed.update(seen, ahead)
     if not ahead or not batches:
         return
     b = batches[0]
     empty = [mesh_lib.put_batch(s.mesh, {k: np.zeros((B,) + x.shape[1:-1] + (T,), x.dtype)
                                          for k, x in b.micro[0].items()}) for B, T in ahead]
-    w = old_and_ref_logps(s, params, [dataclasses.replace(b, micro=empty)])
+    w = old_and_ref_logps(s, params, [dataclasses.replace(b, micro=empty)], live.ppo)
     mismatch_metrics(s, w)
-    if s.ppo is not None:
-        ppo.warm(s.ppo, params, w)
+    if live.ppo is not None:
+        ppo.warm(live.ppo, params, w)
     compile_shapes(s.update, params, loss_inputs(s, w)[0].micro, b.denoms, b.extra)
 
 
@@ -296,11 +298,12 @@ def _global_denominators(micro, max_len):
                    f32(sequences * (max_len if max_len is not None else np.nan)))
 
 
-def old_and_ref_logps(s: Setup, params, batches: list[Minibatch]) -> list[Minibatch]:
+def old_and_ref_logps(s: Setup, params, batches: list[Minibatch],
+                      p: Optional[ppo.PPO] = None) -> list[Minibatch]:
     """Each micro-batch with the old policy's log-probs (when a trainer forward gives them),
-    the reference's (with KL) and the critic's old values (PPO), taken in one pass over the
-    micro-batches before any update of this step."""
-    critic = s.ppo is not None and s.ppo.critic is not None
+    the reference's (with KL) and the critic's old values (PPO's `p`, with a critic), taken
+    in one pass over the micro-batches before any update of this step."""
+    critic = p is not None and p.critic is not None
     if s.rl.old_logp != "trainer" and s.ref_params is None and not critic:
         return batches
     out = []
@@ -313,7 +316,7 @@ def old_and_ref_logps(s: Setup, params, batches: list[Minibatch]) -> list[Miniba
             if s.ref_params is not None:
                 mb["ref_logp"] = s.logprobs(s.ref_params, mb, b.extra)
             if critic:
-                mb = ppo.old_values(s.ppo, mb, b.extra)
+                mb = ppo.old_values(p, mb, b.extra)
             micro.append(mb)
         out.append(dataclasses.replace(b, micro=micro))
     return out
@@ -349,7 +352,7 @@ def loss_inputs(s: Setup, batches: list[Minibatch]) -> list[Minibatch]:
     those it was compiled for)."""
     drop = set() if s.rl.update_measures_mismatch else (
         {"response_pos"} | ({"rollout_logp"} if not s.rl.loss.corrects_rollout else set()))
-    if s.ppo is not None:   # the pass's arrays; the reference's too when only the reward read it
+    if s.rl.needs_ppo_pass:   # the pass's arrays; the reference's too when only the reward read it
         drop |= set(ppo.PASS_KEYS) | (
             {"ref_logp"} if not s.update.objective.loss_cfg.kl_coef else set())
     if not drop:
@@ -378,24 +381,26 @@ def updates(s: Setup, state, batches: list[Minibatch]):
 
 # ----------------------------------------------------------------------------- one step
 
-def step(s: Setup, state, it, step_index: int, carry: Optional[tuple] = None):
+def step(s: Setup, live: Live, state, it, step_index: int, carry: Optional[tuple] = None):
     """One GRPO step -> (new state, metrics, the step's groups, the groups carried to the next
     step: `lrl.rollout.partial.Pending`s with `rollout.partial`, else None). A partial step
     whose budget ended before any group finished trains nothing."""
     before = compiles.snapshot()
     if s.rollout.partial:
-        groups, m, carry = collect.collect_partial(s, state.params, it, step_index,
-                                                    carry or ())
+        groups, m, carry = collect_partial.collect_partial(s, state.params, it, step_index,
+                                                           carry or ())
     else:
         groups, m = collect.collect(s, state.params, it, step_index)
-    state, m = learn(s, state, groups, m, before)
+    state, m = learn(s, live, state, groups, m, before)
     return state, m, groups, carry
 
 
-def learn(s: Setup, state, groups: Groups, m: dict, before: Optional[dict] = None):
+def learn(s: Setup, live: Live, state, groups: Groups, m: dict,
+          before: Optional[dict] = None):
     """The step's training half on scored `groups` (whoever sampled them: `collect.collect` in
     the same step, or the one-step-off pipeline a step ahead) -> (new state, `m` with the
-    update's metrics). `before`: the compile counts the step's count starts from."""
+    update's metrics; `live` as the step leaves it). `before`: the compile counts the step's
+    count starts from."""
     before = compiles.snapshot() if before is None else before
     if not groups.P:
         m.update({"compiles/step": sum(compiles.since(before).values()),
@@ -405,30 +410,30 @@ def learn(s: Setup, state, groups: Groups, m: dict, before: Optional[dict] = Non
     # A partial step trains however many groups finished (and dynamic sampling may come up
     # short of groups): one shape for all of them.
     adv_PG = (advantages(groups, s.rl.estimator, pad_P=s.rl.prompts_per_step)
-              if s.ppo is None else np.zeros(groups.rewards_PG.shape, np.float32))
+              if live.ppo is None else np.zeros(groups.rewards_PG.shape, np.float32))
     mine = process_share(groups.P)
     local = groups.take(mine)
     batches, truncated = minibatches(s, local, adv_PG[mine],
                                      weight[np.repeat(mine, groups.group_size)])
-    warm_up(s, state.params, batches)
+    warm_up(s, live, state.params, batches)
     t0 = time.time()
-    batches = old_and_ref_logps(s, state.params, batches)
+    batches = old_and_ref_logps(s, state.params, batches, live.ppo)
     jax.block_until_ready([mb.get("old_logp") for b in batches for mb in b.micro])
     t_logp = time.time() - t0
     m.update(mismatch_metrics(s, batches))
-    if s.ppo is not None:
-        batches, adv_PG = ppo_advantages(s, groups, mine, batches, m)
-        if s.ppo.critic is not None:
-            m.update(ppo.critic_updates(s.ppo, batches))
+    if live.ppo is not None:
+        batches, adv_PG = ppo_advantages(s, live.ppo, groups, mine, batches, m)
+        if live.ppo.critic is not None:
+            m.update(ppo.critic_updates(live.ppo, batches))
     batches = loss_inputs(s, batches)
     t0 = time.time()
-    if s.ppo is None or s.ppo.actor_learns:
+    if live.ppo is None or live.ppo.actor_learns:
         state, um = updates(s, state, batches)
         m.update(um)
     else:   # the critic's warm-up: the actor's shapes compile now, not when it first learns
         _compile_seen(s, state.params, batches)
-    if s.ppo is not None:
-        ppo.end_step(s.ppo, m, groups.P * groups.group_size)
+    if live.ppo is not None:
+        ppo.end_step(live.ppo, m, groups.P * groups.group_size)
     tokens, slots = sum(b.tokens for b in batches), sum(b.slots for b in batches)
     lengths = [len(p.ids) + len(c) for p, c in
                zip((local.prompts[i // local.group_size] for i in range(len(local.completions))),
@@ -463,12 +468,11 @@ def _compile_seen(s: Setup, params, batches: list[Minibatch]) -> None:
         compile_shapes(s.update, params, [mb], b.denoms, b.extra)
 
 
-def ppo_advantages(s: Setup, groups: Groups, mine: np.ndarray, batches: list[Minibatch],
-                   m: dict):
+def ppo_advantages(s: Setup, p: ppo.PPO, groups: Groups, mine: np.ndarray,
+                   batches: list[Minibatch], m: dict):
     """The advantages of PPO's pass (`lrl.ppo`), written into the rows: GAE from the critic's
     values, or the outcome estimator on scores less beta x each sample's summed KL. ->
     (batches, [P, G] advantages for the metrics: the outcome ones, or 0 with GAE)."""
-    p = s.ppo
     adv_PG = np.zeros(groups.rewards_PG.shape, np.float32)
     if p.critic is not None:
         batches, pm = ppo.gae_advantages(p, batches)

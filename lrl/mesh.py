@@ -1,4 +1,5 @@
-"""The device mesh, parameter sharding rules and activation shardings.
+"""The device mesh (the run's meshes from the options: `build_meshes`), parameter sharding
+rules and activation shardings.
 
 Every array in lrl is laid out over one `jax.sharding.Mesh` with the axes below. Parameters
 are sharded by rules keyed on their logical axes (see `lrl.models.params.logical_axes`), and
@@ -9,6 +10,7 @@ N query heads · K kv heads · H head dim · L layers.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Mapping, Optional, Sequence
 
@@ -95,6 +97,52 @@ def maybe_initialize_distributed(cfg) -> None:
     bounded, CPU runs get gloo collectives, and a failing process exits without hanging.
     """
     distributed.initialize(cfg)
+
+
+def build_mesh(opts) -> Mesh:
+    """The mesh of `opts.mesh` (jax.distributed started first when `opts.distributed` asks)."""
+    maybe_initialize_distributed(opts.distributed)
+    mesh = make_mesh(opts.mesh.sizes())
+    logging.info("mesh: %s", describe(mesh))
+    return mesh
+
+
+def build_meshes(opts) -> tuple[Mesh, Optional[Mesh]]:
+    """-> (the training mesh, the rollout mesh or None). With `pipeline.rollout_devices` = n
+    the last n devices form the rollout mesh (`tensor` = `pipeline.rollout_tensor`, or n) and
+    the `mesh.*` sizes shape the others; errors name the options that do not fit."""
+    n = opts.pipeline.rollout_devices
+    if not n:
+        return build_mesh(opts), None
+    maybe_initialize_distributed(opts.distributed)
+    devices = jax.devices()
+    if jax.process_count() > 1:
+        raise ValueError(f"pipeline.rollout_devices={n} runs in one process only, not "
+                         f"{jax.process_count()}")
+    if n >= len(devices):
+        raise ValueError(f"pipeline.rollout_devices={n} of the {len(devices)} devices leaves "
+                         "none to train: the pipeline needs at least 2 devices and one "
+                         "training; leave it 0 to run rollout and update in turn")
+    train, rollout = split_devices(devices, n)
+    try:
+        mesh = make_mesh(opts.mesh.sizes(), train)
+    except ValueError as e:
+        raise ValueError(f"{e} (pipeline.rollout_devices={n} leaves {len(train)} devices to "
+                         "the mesh.* sizes)") from e
+    tensor = opts.pipeline.rollout_tensor or n
+    if len(train) % tensor:
+        raise ValueError(f"pipeline.rollout_tensor={tensor} does not divide the {len(train)} "
+                         "training devices (pipeline.rollout_devices="
+                         f"{n}): the weights are gathered on them into the rollout's "
+                         "tensor slices before the copy")
+    rollout_mesh = make_mesh({"fsdp": -1, "tensor": tensor}, rollout)
+    logging.info("mesh: train %s, rollout %s", describe(mesh), describe(rollout_mesh))
+    return mesh, rollout_mesh
+
+
+def data_shards(mesh: Mesh) -> int:
+    """The data-parallel shards of `mesh`: the rows of a batch are split over data x fsdp."""
+    return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
 def spec_for(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,

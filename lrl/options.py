@@ -667,7 +667,7 @@ def _check_partial(o: Options) -> None:
     """What partial rollouts (`rollout.partial`) cannot run with: the video task. (With
     `rl.dynamic_sampling` a partial step drops the complete groups whose rewards are all
     equal and rolls on for informative ones; reinforce_pp whitens over the samples a step
-    trains, however many: `lrl.collect.partial_rollout`, `lrl.grpo.advantages`.)"""
+    trains, however many: `lrl.collect_partial.partial_rollout`, `lrl.grpo.advantages`.)"""
     ro = o.rollout
     if not ro.partial:
         for name in ("partial_tokens", "partial_tail", "partial_seconds"):
@@ -745,7 +745,7 @@ def _check_budget(o: Options) -> None:
 
 def _check_pipeline(o: Options) -> None:
     """What the one-step-off pipeline (`pipeline.*`) cannot run with; the device counts are
-    checked where the meshes are built (`lrl.experiment.build_meshes`), still before any
+    checked where the meshes are built (`lrl.mesh.build_meshes`), still before any
     compile."""
     p = o.pipeline
     if not p.rollout_devices:

@@ -1,5 +1,5 @@
 """The one-step-off-policy pipeline (verl's `one_step_off_policy` trainer, the JAX way), on
-with `pipeline.rollout_devices`: two meshes on disjoint devices (`lrl.experiment.
+with `pipeline.rollout_devices`: two meshes on disjoint devices (`lrl.mesh.
 build_meshes`), the train state on the training mesh as always, the rollout engine and its
 decode weights on the rollout mesh. Step t:
 
@@ -45,6 +45,7 @@ import numpy as np
 
 from lrl import checkpoint as ckpt_lib
 from lrl import collect, compiles, grpo, step_setup, tasks
+from lrl.groups import Groups
 from lrl import mesh as mesh_lib
 from lrl.models import params as params_lib
 from lrl.rollout import weights as weights_lib
@@ -90,7 +91,7 @@ def handover(params, mesh, rollout_mesh) -> Handover:
 @dataclasses.dataclass(frozen=True)
 class Batch:
     """One step's batch, sampled and scored ahead of its update."""
-    groups: collect.Groups
+    groups: Groups
     metrics: dict                  # the rollout's and the rewards' (numbers)
 
 
@@ -115,7 +116,8 @@ def _timed(fn, *args):
     return fn(*args), time.time() - t0
 
 
-def step(p: Pipeline, state, it, step_index: int, batch: Optional[Batch], ahead: bool):
+def step(p: Pipeline, live: step_setup.Live, state, it, step_index: int,
+         batch: Optional[Batch], ahead: bool):
     """One pipelined GRPO step -> (new state, metrics, the groups trained, the next step's
     batch: sampled beside the update when `ahead`, else None). `batch`: this step's, sampled
     a step earlier; None samples it first, under the state's own weights."""
@@ -128,7 +130,7 @@ def step(p: Pipeline, state, it, step_index: int, batch: Optional[Batch], ahead:
     t0 = time.time()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lrl-rollout") as pool:
         future = pool.submit(_timed, sample, p, params, it, step_index + 1, 1) if ahead else None
-        state, m = grpo.learn(p.train, state, batch.groups, dict(batch.metrics), before)
+        state, m = grpo.learn(p.train, live, state, batch.groups, dict(batch.metrics), before)
         update_s = time.time() - t0
         nxt, rollout_s = future.result() if future is not None else (None, 0.0)
     wall_s = time.time() - t0
@@ -181,7 +183,7 @@ def from_state(d: dict) -> Batch:
                 and all(c.shape == x.shape for c, x in zip(completions, logps))):
             raise ValueError(f"{len(prompts)} prompts x {G} samples do not match the saved "
                              "completions, log-probs, rewards and ages")
-        groups = collect.Groups(prompts, completions, logps, G,
+        groups = Groups(prompts, completions, logps, G,
                                 np.asarray(d["truncated"], bool), tuple(d["texts"]),
                                 rewards.reshape(len(prompts), G),
                                 np.asarray(d["ages"], np.int32),

@@ -103,9 +103,9 @@ def build(opts, model_cfg, mesh, critic_state=None, saved: Optional[dict] = None
 
 
 def critic_optimizer(opts):
-    from lrl import experiment as ex
+    from lrl.rl.optim import for_phase
     o = opts.critic.optim
-    return ex.optimizer(o, opts.rl_steps * opts.critic.ppo_epochs * opts.rl.minibatches)
+    return for_phase(o, opts.rl_steps * opts.critic.ppo_epochs * opts.rl.minibatches)
 
 
 def abstract_critic(opts, model_cfg, mesh) -> TrainState:

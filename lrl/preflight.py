@@ -132,10 +132,10 @@ def options(config):
 def start(config, workdir: str):
     """What `lrl.loop.run` does first: (options, mesh, rollout mesh or None), every check
     passed, nothing written to `workdir` yet."""
-    from lrl import experiment as ex
+    from lrl import mesh as mesh_lib
     opts = options(config)
     try:
-        mesh, rollout_mesh = ex.build_meshes(opts)
+        mesh, rollout_mesh = mesh_lib.build_meshes(opts)
     except ValueError as e:   # mesh sizes that do not fit the devices
         raise from_config_error(e) from e
     run(opts, workdir, mesh)

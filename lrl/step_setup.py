@@ -1,26 +1,51 @@
-"""`Setup`: what every GRPO step uses, built once where the loop is built (`lrl.loop.build_grpo`)
-and handed to both halves of the step, the collection (`lrl.collect`) and the learning
-(`lrl.grpo`): options, the task, the compiled update and log-prob programs, the run's rollout
-engine and the micro-batch shapes. T positions in a row."""
+"""What a GRPO step reads and what it changes, as two types, both made where the phase is
+built (`lrl.build.grpo`) and handed to both halves of the step, the collection
+(`lrl.collect`, `lrl.collect_partial`) and the learning (`lrl.grpo`):
+
+- `Setup` (frozen, built once): options, the task, the compiled update and log-prob
+  programs, the run's rollout engine and the micro-batch shapes;
+- `Live` (mutable, owned by the loop beside the policy's `TrainState`): what the steps change
+  as they go, the micro-batch shapes the programs have run and PPO's state.
+
+T positions in a row.
+"""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+    from transformers import PreTrainedTokenizerBase
+
+    from lrl.models.config import ModelConfig
+    from lrl.options import RLOptions, RolloutOptions
+    from lrl.ppo import PPO
+    from lrl.rewards.model import ModelRewardPool
+    from lrl.rewards.pool import RewardPool
+    from lrl.rl.update import UpdatePrograms
+    from lrl.rollout.engine import Engine
+    from lrl.rollout.weights import DecodeWeights
+    from lrl.tasks.text import TextTask
+    from lrl.tasks.video import VideoTask
+
+# A parameter tree (the model's `params`: nested dicts of arrays).
+Params = Any
 
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """What every GRPO step uses, built once where the loop is built."""
-    rl: object                    # options.RLOptions
-    rollout: object               # options.RolloutOptions
+    """What every GRPO step uses, built once where the phase is built."""
+    rl: RLOptions
+    rollout: RolloutOptions
     seed: int
-    task: object                  # lrl.tasks: prepare / update_inputs
-    tokenizer: object
-    model_cfg: object
-    mesh: object
-    eos_ids: tuple
-    pool: object                  # lrl.rewards.RewardPool
-    update: object                # rl.update.UpdatePrograms, compiled per micro-batch shape
+    task: Union[TextTask, VideoTask]   # prepare / update_inputs / hidden
+    tokenizer: PreTrainedTokenizerBase
+    model_cfg: ModelConfig
+    mesh: Mesh
+    eos_ids: tuple[int, ...]
+    pool: Union[RewardPool, ModelRewardPool]
+    update: UpdatePrograms        # compiled per micro-batch shape
     logprobs: Optional[Callable]  # jitted (params, micro_batch, extra) -> logp_BT, when needed
     shards: int                   # data-parallel shards of the mesh (data x fsdp)
     row_len: int                  # T of a packed row
@@ -28,17 +53,24 @@ class Setup:
     max_segments: int             # sequences a row may hold (the attention's packed runs)
     max_len: Optional[int] = None # the loss's max_len (seq_mean_token_sum_norm)
     prefill: Optional[Callable] = None   # sequence-parallel prefill of long prompts
-    ref_params: object = None     # the frozen reference, when KL is on
-    engine: object = None         # the run's rollout engine (None: one per call, sized for it)
-    decode: object = None         # rollout.weights.DecodeWeights for that engine
+    ref_params: Optional[Params] = None  # the frozen reference, when KL is on
+    engine: Optional[Engine] = None      # the run's rollout engine (None: one per call)
+    decode: Optional[DecodeWeights] = None   # the decode-layout weights for that engine
     # Benchmarks only: a sample's forced length, from its key (its prompt's ids as bytes, its
     # index in the group), as if its end token came there; a carried sample samples the rest.
     max_new_fn: Optional[Callable[[tuple], int]] = None
     # Row lengths below row_len a minibatch's last rows are cut to, longest first
     # (`lrl.rl.budget.row_lengths`); () cuts none.
-    buckets: tuple = ()
-    # PPO's state beside the policy's (`lrl.ppo.PPO`: the critic, the KL in the reward), when
-    # rl.needs_ppo_pass; replaced in place as steps learn.
-    ppo: object = None
-    # The micro-batch shapes [B, T] the step's programs have run (`warm_up`).
-    warmed: set = dataclasses.field(default_factory=set)
+    buckets: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class Live:
+    """What a GRPO phase's steps change as they run, beside the policy's `TrainState`: kept by
+    the loop (and a checkpoint saves PPO's part), passed to each step."""
+    # PPO's state (`lrl.ppo.PPO`: the critic's programs and train state, the KL in the
+    # reward's coefficient, the steps learnt), when rl.needs_ppo_pass; its critic state and
+    # coefficient are replaced as steps learn.
+    ppo: Optional[PPO] = None
+    # The micro-batch shapes [B, T] the step's programs have run (`lrl.grpo.warm_up`).
+    warmed: set[tuple[int, int]] = dataclasses.field(default_factory=set)

@@ -17,7 +17,7 @@ each row carries), summed (`rollout.turn_reward="sum"`) or discounted by
 token limit, `rollout.max_turns`, a timeout or an error) has no final reward. GRPO's group is
 a prompt's G trajectories.
 
-    rollout_groups: make_driver -> collect._rollout(turns=driver) -> driver.results()
+    rollout_groups: make_driver -> collect.run_rollout(turns=driver) -> driver.results()
                     -> Groups(masks, trajectories) -> collect.score (rewards = the env's)
 
 P prompts · G samples per prompt.
@@ -75,7 +75,7 @@ def rollout_groups(s, params, prompts: list, *, group_size: int, seed: int,
     from lrl import collect
     driver = (driver_fn or make_driver)(s, prompts, group_size)
     try:
-        res = collect._rollout(s, params, [p.ids for p in prompts], group_size=group_size,
+        res = collect.run_rollout(s, params, [p.ids for p in prompts], group_size=group_size,
                                seed=seed, temperature=temperature, stats=stats, turns=driver,
                                max_turn_tokens=s.rollout.max_turn_tokens)
         trajs = driver.results()
@@ -88,7 +88,7 @@ def rollout_groups(s, params, prompts: list, *, group_size: int, seed: int,
 def groups_of(s, prompts: list, G: int, res, trajs: dict, env_metrics: dict,
               stats: Optional[dict]):
     """`rollout_groups`' Groups from the scheduler's `Result` and the driver's trajectories."""
-    from lrl.collect import Groups
+    from lrl.groups import Groups
     completions, logps, masks, records, truncated = [], [], [], [], []
     ro = s.rollout
     for p, per in enumerate(res.samples):

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from lrl import compiles, config_util, grpo, loop
+from lrl import build, compiles, config_util, grpo, loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,7 +48,6 @@ def test_ten_steps_of_varied_lengths_compile_each_program_once(tmp_path, monkeyp
     c.checkpoint.every_steps = 0
     c.metrics.tensorboard = False
     rng = np.random.default_rng(0)
-    build = loop.build_grpo
     forced = []
 
     def with_varied_lengths(*args):
@@ -57,9 +56,9 @@ def test_ten_steps_of_varied_lengths_compile_each_program_once(tmp_path, monkeyp
             n = int(rng.integers(1, 25))
             forced.append(n)
             return n
-        return dataclasses.replace(build(*args), max_new_fn=length)
+        s, live = build.grpo(*args)
+        return dataclasses.replace(s, max_new_fn=length), live
 
-    monkeypatch.setattr(loop, "build_grpo", with_varied_lengths)
     shapes, updates = [], grpo.updates
 
     def recording(s, state, batches):   # the shapes each step's rows needed
@@ -68,7 +67,7 @@ def test_ten_steps_of_varied_lengths_compile_each_program_once(tmp_path, monkeyp
 
     monkeypatch.setattr(grpo, "updates", recording)
     before = compiles.snapshot()
-    loop.run(c, str(tmp_path))
+    loop.run(c, str(tmp_path), build=with_varied_lengths)
     counts = compiles.since(before)
     import json
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

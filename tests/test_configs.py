@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lrl import experiment
+from lrl import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
@@ -34,7 +34,7 @@ def test_config_builds_and_documents_its_command(path):
         # Real-model configs need their paths: give them, then the checks must pass.
         if c.data.source != "synthetic":
             c.data.paths = "/data/train.jsonl"
-        experiment.options(c, check_files=False)
+        build.options(c, check_files=False)
     with pytest.raises(ValueError):
         mod.get_config("no-such-variant")
 
@@ -61,7 +61,7 @@ def test_bad_values_fail_up_front_naming_the_key(key, value, match):
         node = node[sec]
     node[name] = value
     with pytest.raises(ValueError, match=match):
-        experiment.options(c)
+        build.options(c)
 
 
 def test_cross_field_rules_and_missing_files_are_named(tmp_path):
@@ -69,40 +69,40 @@ def test_cross_field_rules_and_missing_files_are_named(tmp_path):
     c = _load(default).get_config()
     c.rl.loss.dual_clip = 0.5
     with pytest.raises(ValueError, match="rl.loss.dual_clip=0.5"):
-        experiment.options(c)
+        build.options(c)
     c = _load(default).get_config()
     c.data.update(source="jsonl", paths=str(tmp_path / "train.jsonl"))
     c.tokenizer.path = str(tmp_path)
     c.sft.steps = 0
     with pytest.raises(FileNotFoundError, match="data.paths.*train.jsonl"):
-        experiment.options(c)
+        build.options(c)
     (tmp_path / "train.jsonl").write_text("{}\n")
     c.data.eval_paths = str(tmp_path / "held_out.jsonl")   # read only after the warm start
     with pytest.raises(FileNotFoundError, match="data.eval_paths.*held_out.jsonl"):
-        experiment.options(c)
+        build.options(c)
     c.data.eval_paths = ""
     c.model.hf_path = str(tmp_path / "no-model")
     with pytest.raises(FileNotFoundError, match="model.hf_path"):
-        experiment.options(c)
+        build.options(c)
     c = _load(default).get_config()
     c.job = "grpo_video"
     with pytest.raises(ValueError, match="task='video'"):
-        experiment.options(c)
+        build.options(c)
 
 
 def test_video_configs_pass_their_checks_and_name_bad_values():
     c = _load(os.path.join(ROOT, "configs", "video_synthetic.py")).get_config()
-    opts = experiment.options(c)
+    opts = build.options(c)
     assert opts.task == "video" and opts.video.num_frames == 4
     # One schema: the video task has every field of the text job's rl section.
     assert opts.rl.recompute_old_logp is False and opts.rl.dynamic_sampling is False
     c.rl.logprob_chunk = -1
     with pytest.raises(ValueError, match="rl.logprob_chunk=-1"):
-        experiment.options(c)
+        build.options(c)
     c = _load(os.path.join(ROOT, "configs", "default.py")).get_config()
     c.task = "video"
     with pytest.raises(ValueError, match="'video'"):
-        experiment.options(c)
+        build.options(c)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)

@@ -219,7 +219,7 @@ def test_quiet_logging_keeps_lrl_and_warnings_drops_library_info(absl_stream):
     logging.getLogger("jax._src.xla_bridge").info("Unable to initialize backend 'tpu'")
     absl_logging.warning("Given directory is read only=/x")  # harmless, by name
     logging.getLogger("lrl.loop").info("resumed from /x (step 40)")
-    logging.getLogger("lrl.experiment").warning("warm-up cut")
+    logging.getLogger("lrl.build").warning("warm-up cut")
     assert absl_stream() == ["resumed from /x (step 40)", "warning: warm-up cut"]
 
 

@@ -11,7 +11,8 @@ import dataclasses
 import jax
 import numpy as np
 
-from lrl import collect, grpo, models
+from lrl import grpo, models, step_setup
+from lrl.groups import Groups
 from lrl.rl import update as upd
 from lrl.tasks import Prompt
 from tests.test_grpo_step import TINY, _mismatch_setup, _rl, _update_programs
@@ -47,8 +48,8 @@ def _inputs():
     completions = tuple(rng.randint(1, 64, n).astype(np.int32) for n in lengths)
     logps = tuple((-3.5 - 0.3 * rng.rand(n)).astype(np.float32) for n in lengths)
     rewards_PG = np.array([[1., 0.], [0.5, 0.], [1., 1.], [0., 1.]], np.float32)
-    return collect.Groups(prompts, completions, logps, 2, np.array([n >= 8 for n in lengths]),
-                          texts=("",) * 8, rewards_PG=rewards_PG)
+    return Groups(prompts, completions, logps, 2, np.array([n >= 8 for n in lengths]),
+                  texts=("",) * 8, rewards_PG=rewards_PG)
 
 
 def test_one_learn_step_gives_the_recorded_metrics():
@@ -65,7 +66,7 @@ def test_one_learn_step_gives_the_recorded_metrics():
         mismatch_fraction=1.0, shared_prompt="off", logprob_chunk=1024,
         max_tokens_per_micro=4096, row_len=512))
     state = upd.init_train_state(models.init_params(TINY, jax.random.key(0)), tx)
-    state, m = grpo.learn(s, state, _inputs(), {})
+    state, m = grpo.learn(s, step_setup.Live(), state, _inputs(), {})
     for k, want in GOLDEN.items():
         np.testing.assert_allclose(float(m[k]), want, rtol=2e-4, err_msg=k)
     for k, want in EXACT.items():

@@ -12,6 +12,7 @@ from lrl import collect, config_util, grpo, loop, models, options, step_setup
 from lrl import mesh as mesh_lib
 from lrl.rewards import register
 from lrl.rollout import sp_prefill
+from lrl.groups import Groups
 from lrl.tasks import Prompt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +29,7 @@ def _groups(rewards_PG, lengths, max_new=8):
     P, G = rewards_PG.shape
     prompts = tuple(Prompt(np.arange(1, 4, dtype=np.int32), str(p), {}, "") for p in range(P))
     comps = tuple(np.full(n, 7, np.int32) for n in lengths)
-    return collect.Groups(prompts, comps, tuple(np.zeros(n, np.float32) for n in lengths), G,
+    return Groups(prompts, comps, tuple(np.zeros(n, np.float32) for n in lengths), G,
                           np.array([n >= max_new for n in lengths]),
                           texts=tuple("x" * n for n in lengths), rewards_PG=rewards_PG)
 
@@ -48,7 +49,7 @@ def test_shaping_and_selection_return_new_groups():
         g.rewards_PG = None
     kept = g.take(collect.informative(g.rewards_PG))
     assert kept.P == 1 and kept.prompts[0].answer == "0" and len(kept.completions) == 2
-    both = collect.Groups.concat([kept, g.take(np.array([False, True]))])
+    both = Groups.concat([kept, g.take(np.array([False, True]))])
     assert [p.answer for p in both.prompts] == ["0", "1"] and both.rewards_PG.shape == (2, 2)
     assert both.texts == ("x" * 8, "xxx", "x" * 8, "xxxxx")
 
@@ -265,15 +266,16 @@ def test_warm_up_compiles_the_shapes_not_run_yet_and_changes_nothing():
                                   np.ones(8, np.float32))
     assert {mb["tokens"].shape for b in batches for mb in b.micro} == {(2, 32), (1, 32)}
     before = compiles.snapshot()
-    grpo.warm_up(s, params, batches)
+    live = step_setup.Live()
+    grpo.warm_up(s, live, params, batches)
     new = compiles.since(before)
-    assert s.warmed == {(2, 32), (1, 32), (1, 16)}
+    assert live.warmed == {(2, 32), (1, 32), (1, 16)}
     # [1, 16] through each program once (the step's own shapes compile in the step)
     assert new["jit(_accumulate)"] == new["jit(logprobs)"] == 1 and "jit(_apply)" not in new
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(before_params)):
         np.testing.assert_array_equal(np.asarray(a), b)
     before = compiles.snapshot()
-    grpo.warm_up(s, params, batches)
+    grpo.warm_up(s, live, params, batches)
     assert not compiles.since(before)
 
 

@@ -12,6 +12,7 @@ import pytest
 from lrl import collect, config_util, grpo, models, options, step_setup, trajectories
 from lrl.data import synthetic
 from lrl.data import tokenizer as tok_lib
+from lrl.groups import Groups
 from lrl.tasks import Prompt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,7 +119,7 @@ def _groups(obs_logp=0.0):
     comps = tuple(rng.randint(2, 64, m.size).astype(np.int32) for m in MASKS)
     logps = tuple(np.where(m > 0, -rng.rand(m.size), obs_logp).astype(np.float32)
                   for m in MASKS)
-    return collect.Groups(prompts, comps, logps, 2, np.zeros(2, bool),
+    return Groups(prompts, comps, logps, 2, np.zeros(2, bool),
                           rewards_PG=np.array([[1.0, 0.0]], np.float32), masks=MASKS)
 
 
@@ -254,7 +255,7 @@ def test_groups_of_trajectories_score_the_model_text_and_add_the_turn_rewards():
     assert m["turns/observed_tokens"] == int((m0 == 0).sum() + (m1 == 0).sum())
     assert m["turns/end_done_frac"] == 0.5
     # Taking and joining keep each sample's mask and record with it.
-    both = collect.Groups.concat([scored, scored.take(np.array([True]))])
+    both = Groups.concat([scored, scored.take(np.array([True]))])
     assert len(both.masks) == 4 and both.masks[3] is m1 and both.trajectories[2]["end"] == "done"
     with pytest.raises(ValueError, match=r"sample \(0, 1\) has 24 tokens but a model mask of 3"):
         trajectories.groups_of(s, prompts, 2, _Res(res.samples, [[m0, m1[:3]]], res.ends),

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from lrl import collect, compiles, config_util, loop, models, options, rollout, step_setup
+from lrl import collect, collect_partial, compiles, config_util, loop, models, options, rollout, step_setup
 from lrl.rollout import partial
 from lrl.tasks import Prompt
 
@@ -66,7 +66,7 @@ def test_greedy_partial_rollout_over_steps_equals_one_uninterrupted_rollout():
     carry, trained, steps, spans = (), {}, 0, []
     new = prompts
     while len(trained) < len(prompts):
-        groups, carry, m = collect.partial_rollout(s, params, carry, new, steps, seed=steps)
+        groups, carry, m = collect_partial.partial_rollout(s, params, carry, new, steps, seed=steps)
         new, steps = [], steps + 1
         if steps == 1:   # the budget stopped the first step with samples half done, some unbegun
             assert m["partial/trained_groups"] == 0 and m["partial/carried_samples"] == 6
@@ -98,7 +98,7 @@ def _run_steps(s, params, prompts):
     metrics)."""
     carry, trained, rows, new = (), {}, [], prompts
     while len(trained) < len(prompts):
-        groups, carry, m = collect.partial_rollout(s, params, carry, new, len(rows),
+        groups, carry, m = collect_partial.partial_rollout(s, params, carry, new, len(rows),
                                                    seed=len(rows), stats=(st := {}))
         new = []
         rows.append({**m, **{f"rollout/{k}": v for k, v in st.items() if np.isscalar(v)}})
@@ -153,11 +153,11 @@ def test_a_pool_too_small_to_keep_every_carried_sample_prefills_some_to_the_same
 def test_kept_pages_of_a_group_dropped_as_stale_are_released():
     s = _with_engine(_setup(max_slots=8, partial_tokens=1, max_staleness=2, prompts_per_step=2))
     params = _params(1)
-    _, carry, m = collect.partial_rollout(s, params, (), _prompts((6, 8)), 0, seed=0)
+    _, carry, m = collect_partial.partial_rollout(s, params, (), _prompts((6, 8)), 0, seed=0)
     assert m["partial/carried_samples"] == 4 and len(s.engine.kept) == 4
     assert all(s.engine.holds(x.kept) for g in carry for x in g.samples)
     assert not s.engine.pool.all_free()
-    _, kept, m = collect.partial_rollout(s, params, carry, [], 3, seed=3)
+    _, kept, m = collect_partial.partial_rollout(s, params, carry, [], 3, seed=3)
     assert m["partial/dropped_stale_groups"] == 2 and kept == ()
     assert s.engine.pool.all_free() and not s.engine.kept
     s.engine.keep_state(s.engine.take_state())   # the invariant holds: nothing leaked
@@ -173,13 +173,13 @@ def test_a_partial_rollout_stops_in_its_tail_and_the_next_step_finishes_it():
     s = dataclasses.replace(s, max_new_fn=lambda key: 3 if key[1] == 0 else MAX_NEW)
     params, prompts = _params(1), _prompts()
     want = collect.rollout_groups(s, params, prompts, group_size=2, seed=0)
-    groups, carry, m = collect.partial_rollout(s, params, (), prompts, 0, seed=0, stats=(st := {}))
+    groups, carry, m = collect_partial.partial_rollout(s, params, (), prompts, 0, seed=0, stats=(st := {}))
     assert st["stopped_in_tail"] == 1 and groups.P == 0
     assert m["partial/carried_samples"] == 3
     assert all(0 < x.tokens.size < MAX_NEW for g in carry for x in g.samples if not x.done)
     trained, step = {}, 1
     while len(trained) < len(prompts):
-        groups, carry, m = collect.partial_rollout(s, params, carry, [], step, seed=step)
+        groups, carry, m = collect_partial.partial_rollout(s, params, carry, [], step, seed=step)
         for g in range(groups.P):
             trained[groups.prompts[g].answer] = groups.completions[2 * g:2 * g + 2]
         step += 1
@@ -194,7 +194,7 @@ def test_carried_tokens_keep_the_log_probs_and_versions_of_the_policy_that_drew_
     s = _setup(max_slots=8, partial_tokens=1, prompts_per_step=2)
     a, b = _params(1), _params(2)
     prompts = _prompts((6, 8))
-    groups, carry, m = collect.partial_rollout(s, a, (), prompts, 0, seed=0)
+    groups, carry, m = collect_partial.partial_rollout(s, a, (), prompts, 0, seed=0)
     assert groups.P == 0 and m["partial/carried_samples"] == 4
     ref_a = rollout.generate(TINY, a, [p.ids for p in prompts], max_new_tokens=MAX_NEW,
                              num_samples=2, page_size=4)
@@ -208,7 +208,7 @@ def test_carried_tokens_keep_the_log_probs_and_versions_of_the_policy_that_drew_
             np.testing.assert_allclose(x.logps, ref_a[p][g][1][:k], atol=1e-5)
     first = carry
     s = dataclasses.replace(s, rollout=dataclasses.replace(s.rollout, partial_tokens=0))
-    groups, carry, m = collect.partial_rollout(s, b, first, [], 1, seed=1)
+    groups, carry, m = collect_partial.partial_rollout(s, b, first, [], 1, seed=1)
     assert groups.P == 2 and carry == () and m["partial/version_span_mean"] == 1.0
     assert groups.sample_ages().tolist() == [1, 1, 1, 1] and m["partial/age_max"] == 1
     for p, grp in enumerate(first):
@@ -240,11 +240,11 @@ def test_the_staleness_cap_drops_and_counts_whole_groups():
     # Through a step: what the first step carries is 3 versions old at step 3, cap 2.
     s = _setup(max_slots=8, partial_tokens=1, max_staleness=2, prompts_per_step=2)
     params = _params(1)
-    _, carry, m0 = collect.partial_rollout(s, params, (), _prompts((6, 8)), 0, seed=0)
+    _, carry, m0 = collect_partial.partial_rollout(s, params, (), _prompts((6, 8)), 0, seed=0)
     assert m0["partial/carried_age_max"] == 0 and m0["partial/carried_samples"] == 4
-    groups, _, m = collect.partial_rollout(s, params, carry, [], 2, seed=2)
+    groups, _, m = collect_partial.partial_rollout(s, params, carry, [], 2, seed=2)
     assert m["partial/dropped_stale_groups"] == 0 and groups.sample_ages().tolist() == [2] * 4
-    _, kept, m = collect.partial_rollout(s, params, carry, [], 3, seed=3)
+    _, kept, m = collect_partial.partial_rollout(s, params, carry, [], 3, seed=3)
     assert m["partial/dropped_stale_groups"] == 2 and m["partial/dropped_stale_samples"] == 4
     assert kept == () and m["partial/carried_samples"] == 0
 
@@ -256,11 +256,11 @@ def test_a_time_budget_stops_the_rollout_and_the_next_step_goes_on():
     s = _setup(max_slots=8, partial_tokens=0, prompts_per_step=3, partial_seconds=1e-9)
     params, prompts = _params(1), _prompts()
     want = collect.rollout_groups(s, params, prompts, group_size=2, seed=0)
-    groups, carry, m = collect.partial_rollout(s, params, (), prompts, 0, seed=0)
+    groups, carry, m = collect_partial.partial_rollout(s, params, (), prompts, 0, seed=0)
     assert groups.P == 0 and m["partial/carried_samples"] == 6
     assert all(0 < x.tokens.size < MAX_NEW for g in carry for x in g.samples)
     s = dataclasses.replace(s, rollout=dataclasses.replace(s.rollout, partial_seconds=0.0))
-    groups, carry, m = collect.partial_rollout(s, params, carry, [], 1, seed=1)
+    groups, carry, m = collect_partial.partial_rollout(s, params, carry, [], 1, seed=1)
     assert groups.P == 3 and not carry
     np.testing.assert_array_equal(np.concatenate(groups.completions),
                                   np.concatenate(want.completions))
@@ -303,7 +303,10 @@ def test_partial_options_are_checked():
         options.from_config(v, check_files=False)
 
 
-def _loop_config(monkeypatch, steps, first_long=0):
+def _loop_config(steps, first_long=0):
+    """-> (a tiny partial-rollout config, the phase's build with its samples' lengths forced:
+    `loop.run(c, workdir, build=build)`)."""
+    from lrl import build as build_lib
     from tests.test_loop import tiny_config
     c = tiny_config()
     c.rl.max_new_tokens = 48
@@ -315,7 +318,6 @@ def _loop_config(monkeypatch, steps, first_long=0):
     # the token budget alone stops a step (not the default tail share)
     c.rollout.update(partial=True, partial_tokens=32, max_staleness=2, partial_tail=0.0)
     rng = np.random.default_rng(0)
-    build = loop.build_grpo
     drawn = []
 
     def length(sample_id):
@@ -327,10 +329,10 @@ def _loop_config(monkeypatch, steps, first_long=0):
     def with_varied_lengths(*args):
         # A random policy never ends by itself: each decode run of a sample ends after 1..48
         # tokens (two decode calls, the budget's, take 32 at most: the rest is carried).
-        return dataclasses.replace(build(*args), max_new_fn=length)
+        s, live = build_lib.grpo(*args)
+        return dataclasses.replace(s, max_new_fn=length), live
 
-    monkeypatch.setattr(loop, "build_grpo", with_varied_lengths)
-    return c
+    return c, with_varied_lengths
 
 
 def _rows(workdir):
@@ -340,9 +342,9 @@ def _rows(workdir):
 @pytest.mark.slow
 def test_tiny_loop_runs_with_partial_rollouts_and_compiles_nothing_after_step_two(
         tmp_path, monkeypatch):
-    c = _loop_config(monkeypatch, steps=6)
+    c, build = _loop_config(steps=6)
     before = compiles.snapshot()
-    loop.run(c, str(tmp_path))
+    loop.run(c, str(tmp_path), build=build)
     steps = [r for r in _rows(tmp_path) if "compiles/step" in r]
     assert len(steps) == 6
     assert sum(r["partial/carried_samples"] for r in steps) > 0
@@ -365,7 +367,7 @@ def test_tiny_loop_runs_with_partial_rollouts_and_compiles_nothing_after_step_tw
     assert decode and all(v == 1 for v in decode.values()), decode
 
 
-def _run_cut(workdir, c, monkeypatch, at):
+def _run_cut(workdir, c, build, monkeypatch, at):
     """Runs `c` in `workdir`, SIGTERMed once step `at` is logged (the handler only sets a
     flag: the loop saves that step and stops), then resumed to the end. -> the rows the cut
     run logged before the resume."""
@@ -379,10 +381,10 @@ def _run_cut(workdir, c, monkeypatch, at):
         return scalars
 
     monkeypatch.setattr(metrics_lib.MetricsWriter, "write", write_then_sigterm)
-    loop.run(c, str(workdir))
+    loop.run(c, str(workdir), build=build)
     cut = _rows(workdir)
     monkeypatch.setattr(metrics_lib.MetricsWriter, "write", write)
-    loop.run(c, str(workdir))
+    loop.run(c, str(workdir), build=build)
     return cut
 
 
@@ -403,21 +405,21 @@ def test_resume_after_sigterm_with_carried_samples_equals_the_uninterrupted_run(
     running), covering a partial step without an update through the loop and its console.
     No KV is saved: the resumed run prefills its carried samples again, so both runs do
     (kept pages would give the uninterrupted run's sampler slightly other log-probs)."""
-    c = _loop_config(monkeypatch, steps=5, first_long=8)
+    c, build = _loop_config(steps=5, first_long=8)
     c.rollout.partial_keep_kv = False
     # one batch a step: the first step's 8 samples are all long (with a backlog, the second
     # batch's short ones would finish groups in it)
     c.rollout.partial_backlog = 0.0
-    loop.run(c, str(tmp_path / "straight"))
+    loop.run(c, str(tmp_path / "straight"), build=build)
     want = _rows(tmp_path / "straight")
     restore = loop._restore_carry
     resumed = []
     monkeypatch.setattr(loop, "_restore_carry",
                         lambda *a: resumed.append(restore(*a)) or resumed[-1])
-    c = _loop_config(monkeypatch, steps=5, first_long=8)   # the same lengths drawn again
+    c, build = _loop_config(steps=5, first_long=8)   # the same lengths drawn again
     c.rollout.partial_keep_kv = False
     c.rollout.partial_backlog = 0.0
-    first, second, third = _run_cut(tmp_path / "cut", c, monkeypatch, at=3)
+    first, second, third = _run_cut(tmp_path / "cut", c, build, monkeypatch, at=3)
     assert first["partial/trained_groups"] == 0 and "loss" not in first
     assert first["partial/carried_samples"] > 0    # (a sample may draw the end token)
     assert second["partial/trained_groups"] > 0 and np.isfinite(second["loss"])
@@ -450,8 +452,8 @@ def test_a_checkpoint_without_carried_groups_drops_its_carried_samples_and_count
     real = loop._carried
     monkeypatch.setattr(loop, "_carried",
                         lambda carry: {k: v for k, v in real(carry).items() if k != "carried"})
-    c = _loop_config(monkeypatch, steps=4, first_long=8)
-    *_, third = _run_cut(tmp_path, c, monkeypatch, at=3)
+    c, build = _loop_config(steps=4, first_long=8)
+    *_, third = _run_cut(tmp_path, c, build, monkeypatch, at=3)
     carried = third["partial/carried_samples"]
     assert carried > 0
     rows = _rows(tmp_path)

@@ -10,7 +10,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from lrl import collect, compiles, grpo, loop, rl
+from lrl import collect_partial, compiles, grpo, loop, rl
+from lrl.groups import Groups
 from lrl.tasks import Prompt
 from tests.test_partial import _loop_config, _params, _rows, _setup
 
@@ -56,7 +57,7 @@ def _answers(groups):
 def test_partial_dynamic_sampling_drops_uniform_groups_and_rolls_on_for_kept_ones():
     s, params = _dynamic(), _params(1)
     it = _batches(("u1", "i1"), ("i2", "u2"), ("u3", "i3"), ("i4", "i5"))
-    groups, m, carry = collect.collect_partial(s, params, it, 0, ())
+    groups, m, carry = collect_partial.collect_partial(s, params, it, 0, ())
     # u1 dropped, i1 kept; a second round admits the next batch, of whose two complete groups
     # the older, i2, is the one still wanted; u2, complete, is carried unscored.
     assert _answers(groups) == ["i1", "i2"]
@@ -68,7 +69,7 @@ def test_partial_dynamic_sampling_drops_uniform_groups_and_rolls_on_for_kept_one
     assert [g.prompt.answer for g in carry] == ["u2"]
     # The next step scores the carried u2 first (the oldest), drops it and u3, keeps i3, and
     # draws once more for the second group.
-    groups, m, carry = collect.collect_partial(s, params, it, 1, carry)
+    groups, m, carry = collect_partial.collect_partial(s, params, it, 1, carry)
     assert _answers(groups) == ["i3", "i4"] and groups.sample_ages().tolist() == [0] * 4
     assert (m["partial/dropped_uniform_groups"], m["groups/draws"], m["groups/kept"]) == (2, 2, 2)
     assert m["groups/informative_frac"] == 2 / 4 and [g.prompt.answer for g in carry] == ["i5"]
@@ -79,7 +80,7 @@ def test_partial_dynamic_sampling_drops_uniform_groups_and_rolls_on_for_kept_one
 
 def test_partial_dynamic_sampling_stops_at_max_resample_and_on_a_spent_budget():
     for s in (_dynamic(max_resample=0), _dynamic(partial_tokens=1)):
-        groups, m, carry = collect.collect_partial(
+        groups, m, carry = collect_partial.collect_partial(
             s, _params(1), _batches(("u1", "i1"), ("i2", "i3")), 0, ())
         # One round only: its uniform group dropped, one group trained, no second draw.
         assert _answers(groups) == ["i1"] and carry == ()
@@ -89,7 +90,7 @@ def test_partial_dynamic_sampling_stops_at_max_resample_and_on_a_spent_budget():
 
 def test_partial_dynamic_sampling_with_only_uniform_groups_trains_nothing():
     s = _dynamic(max_resample=1)
-    groups, m, carry = collect.collect_partial(s, _params(1), _batches(("u1", "u2"), ("u3", "u4")),
+    groups, m, carry = collect_partial.collect_partial(s, _params(1), _batches(("u1", "u2"), ("u3", "u4")),
                                                0, ())
     assert groups.P == 0 and carry == () and m["groups/kept"] == 0
     assert m["partial/dropped_uniform_groups"] == 4 and m["groups/informative_frac"] == 0.0
@@ -97,7 +98,7 @@ def test_partial_dynamic_sampling_with_only_uniform_groups_trains_nothing():
 
 def _groups(rewards_PG, lengths_PG):
     G = rewards_PG.shape[1]
-    return collect.Groups(tuple(Prompt(np.ones(2, np.int32), "", {}, "") for _ in rewards_PG),
+    return Groups(tuple(Prompt(np.ones(2, np.int32), "", {}, "") for _ in rewards_PG),
                           tuple(np.ones(n, np.int32) for n in lengths_PG.reshape(-1)),
                           (), G, np.zeros(rewards_PG.size, bool),
                           rewards_PG=np.asarray(rewards_PG, np.float32))
@@ -125,11 +126,11 @@ def test_a_partial_steps_reinforce_pp_whitens_over_its_own_samples_with_no_new_c
 
 
 @pytest.mark.slow
-def test_tiny_loop_runs_partial_rollouts_with_dynamic_sampling(tmp_path, monkeypatch):
-    c = _loop_config(monkeypatch, steps=5)
+def test_tiny_loop_runs_partial_rollouts_with_dynamic_sampling(tmp_path):
+    c, build = _loop_config(steps=5)
     c.rl.dynamic_sampling = True
     c.rollout.partial_tokens = 0   # rounds go on until the kept groups are in hand
-    loop.run(c, str(tmp_path))
+    loop.run(c, str(tmp_path), build=build)
     steps = [r for r in _rows(tmp_path) if "compiles/step" in r]
     assert len(steps) == 5
     P = c.rl.prompts_per_step
@@ -146,13 +147,13 @@ def test_tiny_loop_runs_partial_rollouts_with_dynamic_sampling(tmp_path, monkeyp
 
 @pytest.mark.slow
 def test_tiny_loop_runs_partial_rollouts_with_reinforce_pp(tmp_path, monkeypatch):
-    c = _loop_config(monkeypatch, steps=5)
+    c, build = _loop_config(steps=5)
     c.rl.estimator = "reinforce_pp"
     c.rollout.partial_backlog = 0.0   # no samples waiting: some steps finish fewer groups
     seen, real = [], grpo.advantages
     monkeypatch.setattr(grpo, "advantages", lambda groups, *a, **k: seen.append(
         (groups, real(groups, *a, **k))) or seen[-1][1])
-    loop.run(c, str(tmp_path))
+    loop.run(c, str(tmp_path), build=build)
     steps = [r for r in _rows(tmp_path) if "compiles/step" in r]
     assert len(steps) == 5 and len(seen) == sum(r["partial/trained_groups"] > 0 for r in steps)
     assert any(g.P < c.rl.prompts_per_step for g, _ in seen)
@@ -177,7 +178,7 @@ def test_a_partial_step_draws_prompts_until_a_backlog_waits_behind_the_full_slot
                                 max_new_fn=lambda key: 3)
         it, carry, out = _batches(*[(f"a{i}", f"b{i}") for i in range(9)]), (), []
         for step in range(3):
-            groups, m, carry = collect.collect_partial(s, _params(1), it, step, carry)
+            groups, m, carry = collect_partial.collect_partial(s, _params(1), it, step, carry)
             out.append((_answers(groups), m["partial/new_groups"],
                         [g.prompt.answer for g in carry]))
         return out
@@ -196,5 +197,5 @@ def test_a_partial_step_draws_prompts_until_a_backlog_waits_behind_the_full_slot
     half = lambda slots: dataclasses.replace(_setup(max_slots=slots).rollout,  # noqa: E731
                                              partial_backlog=0.5)
     three = _setup(prompts_per_step=3).rl   # groups of 2: 6 samples a step
-    assert collect.backlog(half(4), three) == 4 + 3        # the slots + ceil(0.5 x 6)
-    assert collect.backlog(half(128), three) == 6 + 3      # a step's samples, not the slots'
+    assert collect_partial.backlog(half(4), three) == 4 + 3        # the slots + ceil(0.5 x 6)
+    assert collect_partial.backlog(half(128), three) == 6 + 3      # a step's samples, not the slots'

@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 
 from lrl import checkpoint as ckpt_lib
-from lrl import collect, config_util, experiment, loop, models, pipeline, rewards
+from lrl import build, collect, config_util, loop, models, pipeline, rewards
+from lrl import mesh as mesh_lib
 from lrl import metrics as metrics_lib
+from lrl.groups import Groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,7 +92,7 @@ def straight(tmp_path_factory):
 def test_the_handover_is_exact_and_never_passes_through_the_host(monkeypatch, rollout_tensor):
     c = tiny_config()
     c.pipeline.rollout_tensor = rollout_tensor
-    mesh, rollout_mesh = experiment.build_meshes(experiment.options(c, check_files=False))
+    mesh, rollout_mesh = mesh_lib.build_meshes(build.options(c, check_files=False))
     tensor = rollout_tensor or 4   # the rest of the rollout devices hold copies
     assert dict(rollout_mesh.shape) == dict(data=1, fsdp=4 // tensor, seq=1, tensor=tensor)
     assert not set(mesh.devices.flat) & set(rollout_mesh.devices.flat)
@@ -207,7 +209,7 @@ def test_the_batch_sampled_ahead_round_trips_through_the_data_state():
                Prompt(np.array([6], np.int32), "1", {}, "6"))
     logps = tuple(np.random.RandomState(i).randn(n).astype(np.float32)
                   for i, n in enumerate((2, 1, 3, 2)))
-    groups = collect.Groups(prompts, tuple(np.arange(len(x), dtype=np.int32) for x in logps),
+    groups = Groups(prompts, tuple(np.arange(len(x), dtype=np.int32) for x in logps),
                             logps, 2, np.array([0, 1, 0, 0], bool), ("a", "b", "c", "d"),
                             np.array([[0.1, 0.2], [0.3, 1 / 3]], np.float32),
                             np.ones(4, np.int32))
@@ -249,14 +251,14 @@ def test_options_the_pipeline_cannot_run_with_fail_naming_the_option(changes, ma
     if changes.get("distributed"):
         c.distributed.enabled = True
     with pytest.raises(ValueError, match=match):
-        experiment.options(c, check_files=False)
+        build.options(c, check_files=False)
 
 
 def test_the_video_task_is_refused():
     c = config_util.load(os.path.join(ROOT, "configs", "video_synthetic.py"), "runlocal")
     c.pipeline.rollout_devices = 4
     with pytest.raises(ValueError, match=r"pipeline.rollout_devices=4 runs on the text task"):
-        experiment.options(c, check_files=False)
+        build.options(c, check_files=False)
 
 
 @pytest.mark.parametrize("rollout,tensor,mesh,match", [
@@ -272,12 +274,12 @@ def test_device_counts_that_do_not_split_fail_naming_the_option(rollout, tensor,
     c.pipeline.update(rollout_devices=rollout, rollout_tensor=tensor)
     c.mesh.update(mesh)
     with pytest.raises(ValueError, match=match):
-        experiment.build_meshes(experiment.options(c, check_files=False))
+        mesh_lib.build_meshes(build.options(c, check_files=False))
     if rollout == 3:   # 3 and 5 split as asked otherwise
         c.pipeline.rollout_tensor = 0
         c.mesh.update(fsdp=5)
         c.pipeline.update(rollout_devices=3, rollout_tensor=1)
-        train, roll = experiment.build_meshes(experiment.options(c, check_files=False))
+        train, roll = mesh_lib.build_meshes(build.options(c, check_files=False))
         assert train.devices.size == 5 and roll.shape["fsdp"] == 3
         assert list(roll.devices.flat) == jax.devices()[5:]
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from lrl import collect, grpo, pipeline
+from lrl.groups import Groups
 from lrl.tasks import Prompt
 
 
@@ -81,9 +82,9 @@ def test_pipeline_state_keeps_the_baseline():
     prompts = (Prompt(np.array([3], np.int32), "7", {}, "a"),
                Prompt(np.array([6], np.int32), "1", {}, "b"))
     logps = tuple(np.zeros(2, np.float32) for _ in range(4))
-    g = collect.Groups(prompts, tuple(np.ones(2, np.int32) for _ in range(4)), logps, 2,
-                       np.zeros(4, bool), ("a", "b", "c", "d"), np.ones((2, 2), np.float32),
-                       np.zeros(4, np.int32), np.array([0.25, 0.5], np.float32))
+    g = Groups(prompts, tuple(np.ones(2, np.int32) for _ in range(4)), logps, 2,
+               np.zeros(4, bool), ("a", "b", "c", "d"), np.ones((2, 2), np.float32),
+               np.zeros(4, np.int32), np.array([0.25, 0.5], np.float32))
     state = json.loads(json.dumps(encode_data(pipeline.to_state(pipeline.Batch(g, {})))))
     back = pipeline.from_state(decode_data(state)["pipeline_batch"]).groups
     np.testing.assert_array_equal(back.baseline_P, [0.25, 0.5])

@@ -322,12 +322,12 @@ def test_a_reward_failing_every_call_stops_the_run_after_patience_calls(caplog):
 
 
 def test_worker_pool_stops_too_and_the_configs_set_the_limits():
-    from lrl import config_util, experiment
+    from lrl import build, config_util
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for name in ("default.py", "video_synthetic.py"):
         cfg = config_util.load(os.path.join(root, "configs", name))
         cfg.reward.update(spec="test_dispatch:1.0", num_workers=1, fail_patience=1)
-        with experiment.reward_pool(experiment.options(cfg, check_files=False)) as p:
+        with build.reward_pool(build.options(cfg, check_files=False)) as p:
             assert (p.fail_frac, p.fail_patience) == (cfg.reward.fail_frac, 1)
             with pytest.raises(rewards.RewardFailure, match="worker died, exit code 3"):
                 p.score([("exit", "1", {})])

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from lrl import compiles, config_util, experiment, models
+from lrl import build, compiles, config_util, models
 from lrl import mesh as mesh_lib
 from lrl.data import packing
 from lrl.rl import budget as budget_lib
@@ -237,10 +237,10 @@ def test_a_budget_too_small_for_one_sample_fails_at_start_up():
     with pytest.raises(ValueError, match=r"rl.max_tokens_per_micro=128: a sample can have 200 "
                                          r"tokens \(data.max_prompt_len=160 \+ "
                                          r"rl.max_new_tokens=40\)"):
-        experiment.options(c)
+        build.options(c)
     c.rl.update(row_len=256, max_tokens_per_micro=128)
     with pytest.raises(ValueError, match="rl.row_len=256 > rl.max_tokens_per_micro=128"):
-        experiment.options(c)
+        build.options(c)
     with pytest.raises(ValueError, match="cannot hold one sample.*a sample can have 5000"):
         budget_lib.resolve(row_len=0, max_tokens=0, longest=5000, unit=1,
                            need_bytes=lambda rows, n: 10 * n, available=20_000)
@@ -284,7 +284,7 @@ def test_the_budget_is_derived_from_the_compiled_update():
 
 def test_a_shape_whose_compile_runs_out_of_memory_does_not_fit():
     """XLA's GPU autotuner runs a candidate's kernels on full-size buffers while compiling,
-    so the search's larger guesses may fail to compile at all: the loop's `need` calls that
+    so the search's larger guesses may fail to compile at all: the build's `need` calls that
     NO_FIT (`budget.out_of_memory` tells the error), and the search settles below it."""
     err = RuntimeError("NOT_FOUND: All configs failed during profiling.\nEXECUTION FAILED: "
                        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 157.66GiB")
@@ -313,7 +313,7 @@ def test_long_rows_hold_fewer_runs_on_cudnns_packed_attention():
     heads): a row of T tokens gets E within `flash.PACKED_ROW_BYTES`, between what one unit
     of packing needs and 64, and the update's model config and packer take it from the rows'
     length (a shared group, its prefix and the padding in one row at least)."""
-    from lrl import loop, options
+    from lrl import options
     from lrl.models import flash
     assert flash.segments_for(4096, 12, 128) == 64            # Qwen2.5-1.5B heads
     assert flash.segments_for(8192, 12, 128) == 42
@@ -332,10 +332,10 @@ def test_long_rows_hold_fewer_runs_on_cudnns_packed_attention():
     rl = options.from_config(c, check_files=False).rl
     big = CFG.replace(n_heads=12, head_dim=128)
     sizes = dict(row_len=rl.row_len, max_tokens=0, longest=None, unit=1)
-    assert loop.update_model_config(big, rl, sizes).max_segments == 10
+    assert build.update_model_config(big, rl, sizes).max_segments == 10
     shared = dataclasses.replace(rl, shared_prompt="auto")
-    assert loop.update_model_config(big, shared, dict(sizes, row_len=10**6)).max_segments == \
+    assert build.update_model_config(big, shared, dict(sizes, row_len=10**6)).max_segments == \
         shared.group_size + 2
     # rl.row_len=0: the rows the budget derives hold the longest sample, 8K tokens at least
     derived = dict(row_len=0, max_tokens=0, longest=200, unit=1)
-    assert loop.update_model_config(big, rl, derived).max_segments == 42
+    assert build.update_model_config(big, rl, derived).max_segments == 42

@@ -141,10 +141,10 @@ def test_video_grpo_from_a_local_hf_checkpoint(tmp_path):
     import torch
     import transformers
 
-    from lrl import experiment
+    from lrl import build
     from lrl.tasks import video, video_data
     c = _config("runlocal")
-    tok = video_data.build_tokenizer(experiment.options(c), str(tmp_path / "trained"))
+    tok = video_data.build_tokenizer(build.options(c), str(tmp_path / "trained"))
     ids = {t: tok.convert_tokens_to_ids(t) for t in video_data.VISION_TOKENS}
     hf_cfg = transformers.Qwen2_5_VLConfig(
         text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96,
@@ -167,6 +167,6 @@ def test_video_grpo_from_a_local_hf_checkpoint(tmp_path):
     assert m["vision/encoded_items"] == c.rl.prompts_per_step
     assert all(np.isfinite(x) for x in m.values())
     assert abs(m["ratio_max"] - 1) < 1e-4 and abs(m["ratio_min"] - 1) < 1e-4
-    vl_cfg, _ = video.build_policy(experiment.options(c), tok)
+    vl_cfg, _ = video.build_policy(build.options(c), tok)
     with pytest.raises(ValueError, match="vision token ids"):
         video.check_token_ids(vl_cfg.replace(video_token_id=5), tok, "here")

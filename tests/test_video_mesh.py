@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from lrl import experiment, loop, models
+from lrl import build, loop, models
 from lrl import mesh as mesh_lib
 from lrl.config_util import load as config_from_file
 from lrl.data import packing, video_task
@@ -197,7 +197,7 @@ def test_video_qa_config_reports_missing_videos_and_bad_rows(tmp_path, caplog):
     c.reward.spec = "choice:1.0,test_video_mesh_len:0.5"
     c.rl.loss.kl_coef = 0.01   # reference log-probs from the sharded forward-only pass
     c.eval.every = 0
-    fields = video_data.QAFields.of(experiment.options(c))
+    fields = video_data.QAFields.of(build.options(c))
     recs, problems = video_data.load_video_qa(str(data), fields)
     assert [r["answer"] for r in recs] == ["B", "B", "3"]
     assert "C. blue" in recs[0]["prompt"] and recs[0]["prompt"].startswith(

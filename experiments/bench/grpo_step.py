@@ -368,10 +368,12 @@ def main():
 
     import logging
 
-    from lrl import loop, rewards
-    # The loop's own sizing lines (the micro-batch budget, the engine's pool) on the console.
+    from lrl import build, grpo, loop, rewards
+    # The build's own sizing lines (the micro-batch budget, the engine's pool) and the loop's
+    # on the console.
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    logging.getLogger("lrl.loop").setLevel(logging.INFO)
+    for name in ("lrl.loop", "lrl.build"):
+        logging.getLogger(name).setLevel(logging.INFO)
     from lrl.rewards import registry
 
     if "bench_coin" not in registry.names():
@@ -380,18 +382,16 @@ def main():
     if a.table_from:
         a.update_mfu = a.update_mfu or 0.60
         return table(a, c, a.table_from, wall=float("nan"))
-    build = loop.build_grpo
 
     def with_lengths(*args):
-        return dataclasses.replace(build(*args), max_new_fn=lengths_fn(a.mean, a.cap, 0))
+        s, live = build.grpo(*args)
+        return dataclasses.replace(s, max_new_fn=lengths_fn(a.mean, a.cap, 0)), live
 
-    loop.build_grpo = with_lengths
-    if a.profile_step:
-        loop.grpo.step = traced(loop.grpo.step, a.profile_step, a.profile_dir)
+    step = traced(grpo.step, a.profile_step, a.profile_dir) if a.profile_step else grpo.step
     import shutil
     shutil.rmtree(a.workdir, ignore_errors=True)
     t0 = time.time()
-    loop.run(c, a.workdir)
+    loop.run(c, a.workdir, build=with_lengths, step=step)
     wall = time.time() - t0
     metrics_path = os.path.join(a.workdir, "metrics.jsonl")
     if a.skip_rates:   # the roofline column only
@@ -438,8 +438,8 @@ def _step_rows(metrics_path: str) -> list[dict]:
 def _model_config(a, c):
     """The text decoder's ModelConfig as the loop builds it (for the video task: the random
     Qwen2.5-VL policy's, `lrl.tasks.video.policy_config`), from the run's saved tokenizer."""
-    from lrl import experiment
-    opts = experiment.options(c)
+    from lrl import build
+    opts = build.options(c)
     if opts.task == "video":
         from lrl.tasks import video, video_data
         return video.policy_config(opts, video_data.build_tokenizer(opts, a.workdir)).text

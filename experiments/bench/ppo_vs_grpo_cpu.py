@@ -36,11 +36,7 @@ def run(arg, workdir, steps, every):
         out[1].update({"bench/train_wall_s": spent["wall"], "bench/train_cpu_s": spent["cpu"]})
         return out
 
-    grpo.step = timed
-    try:
-        loop.run(c, workdir)
-    finally:
-        grpo.step = step
+    loop.run(c, workdir, step=timed)
 
 
 def main():

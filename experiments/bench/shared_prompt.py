@@ -151,11 +151,11 @@ def rows(mode: str, vl_cfg, prompts, comps, adv, old, align: int = ALIGN):
 
 
 def with_runs(cfg, micro, mode: str, G: int):
-    """`cfg` with the runs a row may hold on cuDNN's packed attention, as the loop sets them
-    for its rows' length (`lrl.loop.with_update_runs`): 64 runs took 0.75 MiB a token of
+    """`cfg` with the runs a row may hold on cuDNN's packed attention, as the build sets them
+    for its rows' length (`lrl.build.with_update_runs`): 64 runs took 0.75 MiB a token of
     the packed backward's buffers at 1.5B shapes, whatever the rows held."""
-    from lrl import loop
-    return loop.with_update_runs(cfg, int(micro[0]["tokens"].shape[1]),
+    from lrl import build
+    return build.with_update_runs(cfg, int(micro[0]["tokens"].shape[1]),
                                  0 if mode == "unshared" else G)
 
 

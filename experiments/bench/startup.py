@@ -95,7 +95,7 @@ def mfu(row: dict, cfg, a) -> float:
 
 def model_config(res: dict, smoke: bool):
     """The policy's ModelConfig as the run built it (its tokenizer is in the workdir)."""
-    from lrl import experiment
+    from lrl import build
     from lrl.tasks import text
     sys.path.insert(0, os.path.join(ROOT, "configs"))
     import default
@@ -103,7 +103,7 @@ def model_config(res: dict, smoke: bool):
     for k, v in overrides(smoke).items():
         section, key = k.split(".")
         c[section][key] = v
-    opts = experiment.options(c, check_files=False)
+    opts = build.options(c, check_files=False)
     return text.model_config(opts, text.build_tokenizer(opts, res["workdir"]))
 
 

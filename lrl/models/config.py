@@ -11,10 +11,18 @@ from typing import Any, Optional
 import jax.numpy as jnp
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_KINDS = ("dense", "ring", "ulysses")
 PARAM_SHARD_AXES = ("fsdp", "seq")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_attn", "save_attn",
                   "offload_attn")
+
+
+def dtype(name: str):
+    """The jnp dtype a config names (`model.dtype`, `model.param_dtype`)."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
 
 
 def check_param_shard_axes(axes, name="param_shard_axes", shown=None) -> None:

@@ -40,7 +40,7 @@ def model_reward(completion: str, answer: str, **meta) -> float:
     loop's process (`ModelRewardPool`), never in a reward worker."""
     raise RuntimeError("the 'rm' reward term is scored by the reward model on the mesh "
                        "(reward.model.hf_path), not by a reward function; build the pool with "
-                       "lrl.experiment.reward_pool(opts, mesh)")
+                       "lrl.build.reward_pool(opts, mesh)")
 
 
 def split_spec(spec) -> tuple[list, float]:

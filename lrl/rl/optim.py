@@ -1,11 +1,12 @@
 """The optimizer of the policy update: AdamW with linear warm-up and cosine decay, after
-global-norm clipping, built from plain arguments.
+global-norm clipping, built from plain arguments (`for_phase`: from the `optim.*` options).
 
 The learning rate is injected into the optimizer state, so the update step can report the
 rate it actually used (`learning_rate(opt_state)`) without knowing the schedule.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Callable, Optional
 
@@ -76,3 +77,19 @@ def learning_rate(opt_state) -> Optional[jax.Array]:
     if len(found) > 1:
         raise ValueError(f"learning_rate: {len(found)} injected learning rates in the state")
     return found[0] if found else None
+
+
+def for_phase(o, total_steps: int, lr: Optional[float] = None,
+              warmup: Optional[int] = None) -> optax.GradientTransformation:
+    """A phase's optimizer from the `optim.*` options `o` (`lrl.options.OptimOptions`), with
+    the phase's own `lr` and `warmup` when given. A warm-up longer than the phase (a short
+    smoke run of a config tuned for longer ones) is cut to the phase's length, and said so."""
+    total_steps = max(total_steps, 1)
+    warmup = o.warmup_steps if warmup is None else warmup
+    if warmup > total_steps:
+        logging.warning("warm-up of %d steps is longer than the %d-step phase: cut to %d",
+                        warmup, total_steps, total_steps)
+        warmup = total_steps
+    return make_optimizer(lr=o.lr if lr is None else lr, warmup_steps=warmup,
+                          total_steps=total_steps, b1=o.b1, b2=o.b2,
+                          weight_decay=o.weight_decay, clip_norm=o.clip_norm)

@@ -2,7 +2,7 @@
 
 A task turns its data into `Prompt`s for the rollout, says what an update row carries beyond
 text and what the forward needs besides tokens; the loop and the host step (`lrl.collect`,
-`lrl.grpo`) are the same for every task:
+`lrl.collect_partial`, `lrl.grpo`) are the same for every task:
 
     task = tasks.build(opts, workdir, mesh)
     it = task.prompts("train")                 # next(it) -> a raw batch; get/set_state, stats

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 
 from lrl import distributed, models
-from lrl.experiment import data_shards, dtype
+from lrl.mesh import data_shards
+from lrl.models.config import dtype
 from lrl.tasks import Prompt
 
 

@@ -29,8 +29,8 @@ import numpy as np
 from lrl import mesh as mesh_lib
 from lrl import models
 from lrl.data import video as video_lib
-from lrl.experiment import dtype
 from lrl.models import embed_cache, vision, vl, vl_io
+from lrl.models.config import dtype
 from lrl.rollout import sp_prefill
 from lrl.tasks import Prompt
 from lrl.tasks import video_data
