@@ -95,7 +95,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.task_kwargs = ml_collections.ConfigDict(dict(  # per task; the chosen task's are used
         arithmetic=dict(num_terms=3, min_terms=2, max_operand=9),
         kv_retrieval=dict(num_pairs=4, min_pairs=2, key_len=2, value_len=2),
-        tool_lookup=dict(num_pairs=13, key_len=1, value_len=2)))
+        tool_lookup=dict(num_pairs=13, key_len=1, value_len=1)))
     c.data.size = 100_000            # synthetic examples
     c.data.eval_size = 64            # held-out synthetic examples (other seed)
     c.data.eval_paths = ""           # held-out jsonl/parquet for real data
@@ -316,7 +316,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         # Multi-turn with a tool (docs/tools-task.md): the prompt names a key of a table it
         # does not show; the model calls lookup, reads the tool's response and boxes the
         # value. 30% of the SFT demos skip the tool and box a guess; GRPO learns that the
-        # tool is needed. One-letter keys and two-digit values: the copies a model this
+        # tool is needed. One-letter keys and one-digit values: the copies a model this
         # small learns in minutes.
         c.data.task = "tool_lookup"
         c.tokenizer.vocab_size = 320   # the 4 tool-call tokens on top of the default's merges
