@@ -327,7 +327,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.eval.update(every=10, num_prompts=32)
         if arg == "tools_runlocal":   # every part once, in about a minute
             c.sft.update(steps=20, rows=4, warmup_steps=2)
-            c.rl.update(steps=2, prompts_per_step=2, group_size=4)
+            c.rl.update(steps=2, prompts_per_step=4, group_size=4)
             c.optim.warmup_steps = 1
             c.eval.update(every=2, num_prompts=4)
             c.data.eval_size = 4

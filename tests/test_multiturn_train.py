@@ -390,8 +390,9 @@ def test_tools_runlocal_runs_multi_turn_through_the_one_loop(tmp_path):
     reward pool's workers, checkpoints; every step reports its trajectories."""
     from lrl import loop
     c = config_util.load(os.path.join(ROOT, "configs", "default.py"), "tools_runlocal")
+    c.mesh.update(fsdp=4, tensor=2)   # the suite's 8 devices
     m = loop.run(c, str(tmp_path))["grpo"]
-    assert m["rollout/env_trajectories"] == 2 * 4 and m["turns/turns_mean"] >= 1
+    assert m["rollout/env_trajectories"] == 4 * 4 and m["turns/turns_mean"] >= 1
     assert m["turns/generated_tokens"] > 0 and "eval/pass@4" in m and np.isfinite(m["loss"])
     tok = tok_lib.load_tokenizer(str(tmp_path / "tokenizer"))
     assert tok.convert_tokens_to_ids("<tool_call>") == 314   # vocab_size - 6
