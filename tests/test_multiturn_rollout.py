@@ -221,3 +221,37 @@ def test_a_second_multi_turn_rollout_compiles_nothing(setup):
                             turns=Script(delay=lambda p, g, t: (p * g + 1) % 4))
     scheduler.run(engine, params, again, policy=policy)
     assert compiles.since(before) == {}
+
+
+def test_sampled_turns_draw_the_same_tokens_whether_pages_stay_or_go(setup, monkeypatch):
+    """A sample's draws are keyed by (sample, model tokens so far) across its turns, so a
+    sampled rollout whose waiting samples' pages are released and prefilled again draws what
+    one with room for every page draws."""
+    params, prompts, _ = setup
+    kw = dict(sampling=rollout.SamplingParams(1.0), seed=3)
+    plans, run_insert = [], rollout.Engine.run_insert
+
+    def recording(self, state, ps):
+        plans.extend(ps)
+        return run_insert(self, state, ps)
+
+    monkeypatch.setattr(rollout.Engine, "run_insert", recording)
+    roomy, _, _ = _run(params, prompts, Script(turns=3, delay=lambda p, g, t: 4), slots=4,
+                       **kw)
+    # Each resumed turn goes on from the model tokens its sample drew before, not from 0.
+    resumed = [x for x in plans if x.prefix is None]
+    assert len(resumed) > len(prompts)
+    for x in resumed:
+        p, g = divmod(x.sample_id, 2)
+        before = x.length + 1 - len(prompts[p])   # its tokens after the prompt
+        assert x.steps == roomy.model_masks[p][g][:before].sum() > 0
+    tight, stats, _ = _run(params, prompts, Script(turns=3, delay=lambda p, g, t: 4), slots=4,
+                           pool_tokens=4 * 34, **kw)
+    assert stats["refilled"] > 0
+    for p in range(len(prompts)):
+        for g in range(2):
+            assert tight.samples[p][g][0].tolist() == roomy.samples[p][g][0].tolist()
+            np.testing.assert_allclose(tight.samples[p][g][1], roomy.samples[p][g][1],
+                                       atol=2e-5)
+    # Two samples of one prompt draw apart.
+    assert roomy.samples[0][0][0].tolist() != roomy.samples[0][1][0].tolist()

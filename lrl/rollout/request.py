@@ -219,9 +219,12 @@ class Result:
     kept, under (p, 0)). `model_masks[p][g]`: int8 per token of `samples[p][g][0]`, 1 where
     the model sampled it, 0 for an observation's (whose log-prob is 0.0); all ones without
     turns. `ends[p][g]`: why it ended: "stop" (an end token; multi-turn: "done", the
-    environment ended it), "length" (its token limit), "cut" (a stop cut it short)."""
+    environment ended it), "length" (its token limit), "cut" (a stop cut it short).
+    `stats`: the rollout's timings and counts (`lrl.rollout.state.report`; multi-turn:
+    turns, observed_tokens, wait_s, blocked_s, occupancy_waiting, ...)."""
     samples: list
     unfinished: tuple = ()
     kept: dict = dataclasses.field(default_factory=dict)
     model_masks: Optional[list] = None
     ends: Optional[list] = None
+    stats: dict = dataclasses.field(default_factory=dict)

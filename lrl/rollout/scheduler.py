@@ -323,11 +323,13 @@ def launch(r: Rollout) -> Call:
 
 def settle(r: Rollout, call: Call) -> None:
     """Collects `call` at once while samples wait (its freed slots are refilled before the
-    next call); else (or always, with `overlap_admission`) collects the call before it and
-    leaves this one in flight. With the decode loop's condition on the device
-    (`steps._DECODE_OPTIONS`), steps were faster than when every call was collected before
-    the next was launched (docs/benchmark-history.md, "Sixth session", "Overlap")."""
-    if r.waiting() and not r.policy.overlap_admission:
+    next call), and always in a multi-turn rollout (a turn's end is seen, and its environment
+    step started, a call sooner); else (or always, with `overlap_admission`)
+    collects the call before it and leaves this one in flight. With the decode loop's
+    condition on the device (`steps._DECODE_OPTIONS`), steps were faster than when every
+    call was collected before the next was launched (docs/benchmark-history.md, "Sixth
+    session", "Overlap")."""
+    if (r.waiting() or r.multi) and not r.policy.overlap_admission:
         if r.in_flight is not None:
             collect(r, r.in_flight)
             r.in_flight = None
@@ -415,9 +417,10 @@ def finish(r: Rollout, stats: Optional[dict]) -> Result:
                 time.perf_counter() - r.t_decode0 - r.t_prefill_decoding)
     unfinished, kept = _cut_short(r) if r.stopped else ((), {})
     r.engine.keep_state(r.device)
+    rep = report(r, t_decode)
     if stats is not None:
-        stats.update(report(r, t_decode))
-    return Result(r.results, unfinished, kept, r.masks, r.ends)
+        stats.update(rep)
+    return Result(r.results, unfinished, kept, r.masks, r.ends, rep)
 
 
 def _cut_short(r: Rollout) -> tuple[tuple, dict]:

@@ -162,10 +162,22 @@ def start(engine: Engine, params, request: Request, policy: Policy, decode_param
 def report(r: Rollout, t_decode: float) -> dict:
     """The rollout's stats: counts (decode_steps, new_tokens, sampled_tokens (preempted ones
     included), kv_token_steps, preempted, ...), timings (prefill_s: prefills timed alone;
-    decode_s: from the first decode call to the last collection, less those) and shares."""
+    decode_s: from the first decode call to the last collection, less those) and shares;
+    multi-turn rollouts add turns, observed_tokens, wait_s (sample-seconds waiting on
+    environments), blocked_s (the scheduler waiting on them with nothing to decode), refilled
+    and waiting_released (the memory rule's re-prefills) and occupancy_waiting."""
     e, st, B = r.engine, r.st, r.engine.ecfg.max_slots
     ps = e.ecfg.page_size
     steps = max(1, st["decode_steps"] * B)
+    multi = {} if not r.multi else dict(
+        turns=st["turns"], observed_tokens=st["observed_tokens"], wait_s=st["wait_s"],
+        blocked_s=st["blocked_s"], refilled=st["refilled"],
+        waiting_released=st["waiting_released"],
+        # the slot occupancy over the decode steps while some sample waited on its
+        # environment (a ratio: over many rounds, from the two counts)
+        steps_while_waiting=st["steps_while_waiting"],
+        sampled_while_waiting=st["sampled_while_waiting"],
+        occupancy_waiting=st["sampled_while_waiting"] / max(1, st["steps_while_waiting"] * B))
     return dict(
         st, prefill_s=r.t_prefill, decode_s=t_decode, prefilled=r.prefilled,
         num_pages=e.ecfg.num_pages, slots=B,
@@ -177,15 +189,12 @@ def report(r: Rollout, t_decode: float) -> dict:
         # the share of the rows the decode steps computed that sampled a token (narrow tail
         # calls compute fewer rows than the slots)
         row_occupancy=st["sampled_tokens"] / max(1, st["computed_rows"]),
-        # multi-turn: the slot occupancy over the decode steps while some sample waited on
-        # its environment
-        occupancy_waiting=st["sampled_while_waiting"] / max(1, st["steps_while_waiting"] * B),
-        turns=st["turns"], observed_tokens=st["observed_tokens"], wait_s=st["wait_s"],
         attention_impl=e.ecfg.attention_impl, attention_fallback=e.fallback,
         sampling_impl=e.ecfg.sampling_impl, pages_allocated=e.pool.allocated_total,
         pages_unshared=sum(n * pages_for(len(p) + m - 1, ps)
                            for p, n, m in zip(r.prompts, r.counts, r.max_new)),
-        prefill_tokens_unshared=sum(n * (len(p) - 1) for p, n in zip(r.prompts, r.counts)))
+        prefill_tokens_unshared=sum(n * (len(p) - 1) for p, n in zip(r.prompts, r.counts)),
+        **multi)
 
 
 def done(r: Rollout, slot: Slot, end: str, finished: bool = True) -> None:
