@@ -79,7 +79,12 @@ def truncated(s: Setup, completions) -> np.ndarray:
 
 def rollout_groups(s: Setup, params, prompts: list[Prompt], *, group_size: int, seed: int,
                    temperature: Optional[float] = None, stats: Optional[dict] = None) -> Groups:
-    """G samples of every prompt."""
+    """G samples of every prompt (trajectories of several turns with `rollout.env`:
+    `lrl.trajectories`)."""
+    if s.rollout.env:
+        from lrl import trajectories
+        return trajectories.rollout_groups(s, params, prompts, group_size=group_size,
+                                           seed=seed, temperature=temperature, stats=stats)
     multimodal = prompts and prompts[0].embeds is not None
     outs = _generate(
         s, params, [p.ids for p in prompts], group_size=group_size, seed=seed,
@@ -92,9 +97,17 @@ def rollout_groups(s: Setup, params, prompts: list[Prompt], *, group_size: int, 
 
 
 def score(groups: Groups, pool, tokenizer) -> tuple[Groups, dict]:
-    """Rewards [P, G] from the host reward functions; failures score 0 and are counted."""
-    texts = tuple(tokenizer.decode(c, skip_special_tokens=True) for c in groups.completions)
+    """Rewards [P, G] from the host reward functions; failures score 0 and are counted.
+    Multi-turn trajectories were scored by their environments (`lrl.trajectories`): their
+    rewards are those, their texts their model tokens'."""
     G = groups.group_size
+    if groups.trajectories:
+        texts = tuple(tokenizer.decode(c[np.asarray(m) > 0], skip_special_tokens=True)
+                      for c, m in zip(groups.completions, groups.masks))
+        rewards_PG = np.asarray([t["env_reward"] for t in groups.trajectories],
+                                np.float32).reshape(groups.P, G)
+        return dataclasses.replace(groups, texts=texts, rewards_PG=rewards_PG), {}
+    texts = tuple(tokenizer.decode(c, skip_special_tokens=True) for c in groups.completions)
     items = [(text, str(groups.prompts[i // G].answer), groups.prompts[i // G].meta)
              for i, text in enumerate(texts)]
     rewards, stats = pool.score(items)
@@ -186,4 +199,13 @@ def rollout_metrics(groups: Groups) -> dict:
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/truncated_frac": float(groups.truncated.mean()),
+        **trajectory_metrics(groups),
     }
+
+
+def trajectory_metrics(groups: Groups) -> dict:
+    """`lrl.trajectories.metrics` of multi-turn groups; nothing for single-turn ones."""
+    if not groups.trajectories:
+        return {}
+    from lrl import trajectories
+    return trajectories.metrics(groups)

@@ -29,6 +29,11 @@ class Groups:
     # [P] the reward of one greedy sample per prompt, when the estimator asks for a baseline
     # (ReMax; `with_baseline`): scored, never trained on
     baseline_P: Optional[np.ndarray] = None
+    # [P*G] int8 arrays, one per completion: 1 on tokens the model sampled, 0 on a multi-turn
+    # trajectory's observation tokens (attended, never trained); () = every token sampled
+    masks: tuple = ()
+    # [P*G] dicts of a multi-turn trajectory's own numbers (`lrl.trajectories`); () = none
+    trajectories: tuple = ()
 
     @property
     def P(self) -> int:
@@ -43,7 +48,8 @@ class Groups:
                       pick(self.logps), G, self.truncated[flat], pick(self.texts),
                       None if self.rewards_PG is None else self.rewards_PG[keep],
                       None if self.ages is None else self.ages[flat],
-                      None if self.baseline_P is None else self.baseline_P[keep])
+                      None if self.baseline_P is None else self.baseline_P[keep],
+                      pick(self.masks), pick(self.trajectories))
 
     @staticmethod
     def concat(parts: list["Groups"]) -> "Groups":
@@ -56,10 +62,33 @@ class Groups:
                       np.concatenate([g.truncated for g in parts]), cat("texts"),
                       None if any(r is None for r in rewards) else np.concatenate(rewards),
                       ages,
-                      None if any(b is None for b in baselines) else np.concatenate(baselines))
+                      None if any(b is None for b in baselines) else np.concatenate(baselines),
+                      _cat_optional(parts, "masks"), _cat_optional(parts, "trajectories"))
+
+    def model_mask(self, i: int) -> np.ndarray:
+        """[len(completions[i])] float32: 1 on the tokens sample `i`'s model sampled."""
+        if not self.masks:
+            return np.ones(len(self.completions[i]), np.float32)
+        return np.asarray(self.masks[i], np.float32)
+
+    def model_tokens(self) -> np.ndarray:
+        """[P*G] how many tokens of each completion the model sampled (what the loss trains)."""
+        if not self.masks:
+            return np.array([len(c) for c in self.completions], np.int64)
+        return np.array([int(np.asarray(m).sum()) for m in self.masks], np.int64)
 
     def sample_ages(self) -> np.ndarray:
         """[P*G] each sample's age in policy versions (0 when none was given)."""
         if self.ages is None:
             return np.zeros(len(self.completions), np.int32)
         return np.asarray(self.ages)
+
+
+def _cat_optional(parts: list[Groups], name: str) -> tuple:
+    """A per-sample tuple that some parts may leave empty (single-turn groups): joined, with
+    the empty parts' filled in (all-ones masks; empty trajectory records)."""
+    if all(not getattr(g, name) for g in parts):
+        return ()
+    fill = {"masks": lambda g: tuple(np.ones(len(c), np.int8) for c in g.completions),
+            "trajectories": lambda g: ({},) * len(g.completions)}[name]
+    return tuple(x for g in parts for x in (getattr(g, name) or fill(g)))

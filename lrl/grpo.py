@@ -83,8 +83,8 @@ def advantages(groups: Groups, estimator: str, pad_P: int = 0) -> np.ndarray:
     reinforce_pp_token runs over the real samples alone), so a step training fewer groups
     than the last (a partial step, or dynamic sampling short of groups) gets the advantages
     of its own samples and compiles nothing new."""
-    # The completion tokens are what the loss trains (reinforce_pp_token weighs by them).
-    lengths_PG = np.array([len(c) for c in groups.completions]).reshape(groups.P, -1)
+    # The model's tokens are what the loss trains (reinforce_pp_token weighs by them).
+    lengths_PG = groups.model_tokens().reshape(groups.P, -1)
     rewards_PG, P = groups.rewards_PG, groups.P
     pad = ((0, max(pad_P - P, 0)), (0, 0))
     rewards_PG, lengths_PG = np.pad(rewards_PG, pad), np.pad(lengths_PG, pad)
@@ -132,8 +132,9 @@ def pack(s: Setup, groups: Groups, adv_PG: np.ndarray, weight: np.ndarray,
     G = groups.group_size
     sample_prompts = [groups.prompts[i // G] for i in samples]
     comps = [groups.completions[i] for i in samples]
-    token_values = {"completion_weight": [np.full(len(groups.completions[i]), weight[i],
-                                                  np.float32) for i in samples]}
+    # The loss covers the tokens the model sampled: a trajectory's observations are attended,
+    # never trained (the model mask, `Groups.masks`).
+    token_values = {"completion_weight": [weight[i] * groups.model_mask(i) for i in samples]}
     if s.rl.old_logp == "sampler":
         token_values["old_logp"] = [groups.logps[i] for i in samples]
     seq_values = {"advantages": adv_PG.reshape(-1)[samples]}
@@ -165,9 +166,10 @@ def correction_values(rl_, groups: Groups, samples: np.ndarray, token_values: di
     (`sample_age`, for the staleness weight)."""
     if rl_.carries_rollout_logp:
         token_values["rollout_logp"] = [groups.logps[i] for i in samples]
-    if rl_.mismatch_fraction > 0:
+    if rl_.mismatch_fraction > 0:   # 0 on observation tokens: the sampler drew none of them
         token_values["response_pos"] = [np.arange(1, len(groups.completions[i]) + 1,
-                                                  dtype=np.float32) for i in samples]
+                                                  dtype=np.float32) * groups.model_mask(i)
+                                         for i in samples]
     if rl_.loss.weighs_staleness:
         seq_values["sample_age"] = groups.sample_ages()[samples].astype(np.float32)
 

@@ -26,7 +26,7 @@ from lrl import schema
 from lrl.schema import DTYPES, JOBS, OVERLONG, SHARED_PROMPT, TASKS  # noqa: F401 (re-exported)
 
 SOURCES = {"text": ("synthetic", "jsonl", "parquet"), "video": ("synthetic", "jsonl")}
-TEXT_TASKS = ("arithmetic", "kv_retrieval")
+TEXT_TASKS = ("arithmetic", "kv_retrieval", "tool_lookup")
 VIDEO_TASKS = ("direction", "count")
 TOKEN_ESTIMATORS = ("gae",)   # token-level estimators that read a critic's values (PPO)
 
@@ -237,6 +237,7 @@ def _check_across(o: Options) -> None:
                          f"1 to rl.max_new_tokens={o.rl.max_new_tokens} tokens")
     _check_budget(o)
     _check_partial(o)
+    _check_env(o)
     if o.metrics.wandb_project:   # before any compile: the sink starts with the run
         from lrl import wandb_sink
         wandb_sink.require(o.metrics.wandb_project)
@@ -319,6 +320,30 @@ def _check_partial(o: Options) -> None:
         raise ValueError(f"rollout.partial=True runs on the text task only, not task={o.task!r}"
                          ": a carried sample is prefilled again from token ids, and a video "
                          "prompt's embeddings are not kept across steps")
+
+
+def _check_env(o: Options) -> None:
+    """What multi-turn rollouts (`rollout.env`) do not run with yet: the video task, PPO's
+    token-level advantages (observation tokens would need values and rewards placed), the
+    one-step-off pipeline, partial rollouts and a reward model (the driver's reward is the
+    trajectory's)."""
+    ro = o.rollout
+    if not ro.env:
+        return
+    from lrl.envs.base import get
+    get(ro.env, "rollout.env")   # a registered name or "pkg.module:Factory"
+    if o.task != "text":
+        raise ValueError(f"rollout.env={ro.env!r} runs on the text task only, not task={o.task!r}")
+    for bad, why in ((o.rl.uses_critic, f"rl.estimator={o.rl.estimator!r} (PPO's GAE)"),
+                     (o.pipeline.rollout_devices, "pipeline.rollout_devices > 0"),
+                     (ro.partial, "rollout.partial=True"),
+                     (o.reward.model.hf_path, "reward.model.hf_path")):
+        if bad:
+            raise ValueError(f"rollout.env={ro.env!r} is not built with {why}: multi-turn "
+                             "rollouts train GRPO-family estimators on synchronous steps")
+    if ro.max_turn_tokens > o.rl.max_new_tokens:
+        raise ValueError(f"rollout.max_turn_tokens={ro.max_turn_tokens} > rl.max_new_tokens="
+                         f"{o.rl.max_new_tokens} (the whole trajectory's cap)")
 
 
 def longest_sample(o: Options) -> Optional[int]:

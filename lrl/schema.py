@@ -131,11 +131,12 @@ class Data:
     answer_field: str = field("answer", "the records' reference-answer field")
     messages_field: str = field("", "a list of chat messages instead of a prompt string")
     system_prompt: str = field("", 'a system message before each prompt; "" = none')
-    task: str = field("arithmetic", "synthetic task: kv_retrieval | arithmetic (video: "
-                                    "direction | count)")
+    task: str = field("arithmetic", "synthetic task: kv_retrieval | arithmetic | tool_lookup "
+                                    "(multi-turn, docs/tools-task.md) (video: direction | count)")
     task_kwargs: dict = field(dict(arithmetic=dict(num_terms=3, min_terms=2, max_operand=9),
                                    kv_retrieval=dict(num_pairs=4, min_pairs=2, key_len=2,
-                                                     value_len=2)),
+                                                     value_len=2),
+                                   tool_lookup=dict(num_pairs=13, key_len=1, value_len=1)),
                               "per task; the chosen task's are used")
     size: int = field(100_000, "synthetic examples", ge=1)
     eval_size: int = field(64, "held-out synthetic examples (other seed)", ge=0)
@@ -366,6 +367,18 @@ class Rollout:
                                   "engine's pool and it resumes without a prefill (its KV then "
                                   "is the old policy's; False: prefilled again under the new "
                                   "weights); pages short: prefilled anyway")
+    # Multi-turn rollouts with tools (lrl.trajectories, lrl.envs, docs/environments.md)
+    env: str = field("", '"" = one response per sample; a registered environment (lrl.envs: '
+                     '"tools", or "pkg.module:Factory") over several model turns')
+    max_turns: int = field(4, "model turns a trajectory has at most", ge=1)
+    max_turn_tokens: int = field(0, "tokens one model turn samples at most; 0 = no cap (the "
+                                 "trajectory's cap, rl.max_new_tokens, still holds)", ge=0)
+    tool_timeout_s: float = field(10.0, "an environment step longer than this ends the "
+                                  "trajectory (a timeout)", gt=0)
+    turn_reward: str = field("sum", "the trajectory's reward: final + per-turn rewards, summed "
+                             "(sum) or each turn's weighed turn_discount ** turn (discount)",
+                             choices=("sum", "discount"))
+    turn_discount: float = field(1.0, 'per-turn weight with turn_reward="discount"', gt=0, le=1)
 
 
 @_frozen

@@ -10,6 +10,11 @@ order — what grain's random access wants):
 * ``arithmetic`` — a chain of `m` small non-negative integers (``0..max_operand``) joined by
   ``+`` and ``-``, with `m` uniform in ``[min_terms, num_terms]``; every running total stays
   non-negative. Answer: the result in decimal, e.g. ``17``.
+* ``tool_lookup`` — a multi-turn tool task: the prompt names one key of a table of `n` pairs
+  (as ``kv_retrieval``'s) that it does not show; the table is in the record's metadata
+  (``metadata["table"]``), where the ``lookup`` tool (`lrl.envs`) reads it. Without the tool
+  the answer is a guess. Answer: the key's value. Its SFT demonstration is the whole
+  conversation (`tool_conversation`): a tool call, the tool's response, the boxed answer.
 
 Example record (`make_example`)::
 
@@ -31,17 +36,26 @@ ANSWER FORMAT (what the scorer in lrl/rewards/ checks):
   * Every prompt ends with the instruction ``Answer with \\boxed{...}.`` so real models know
     the format too.
 
+TOOL FORMAT (``tool_lookup``; Qwen2.5's, as `lrl.envs` parses it): the first model turn is
+``<tool_call>{"name": "lookup", "arguments": {"key": "qz"}}</tool_call>`` and ends with the
+turn's EOS; the observation is the chat template's tool message, ``<|im_start|>user\n
+<tool_response>\n482\n</tool_response><|im_end|>\n<|im_start|>assistant\n`` (`TOOL_TEMPLATE`
+of `lrl.data.tokenizer`); the second model turn is the boxed answer, ``\\boxed{482}`` (its SFT
+demonstrations do not think: `tool_conversation`).
+
 `sft_example` gives ``{"messages", "response", "answer", "task", "metadata"}`` records for the
 warm start; `synthetic_corpus` gives texts to train the local tokenizer on.
 """
 from __future__ import annotations
 
+import re
 import zlib
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
+_MARKUP = re.compile(r"</?(?:tool_call|tool_response|think)>")
 
 
 def _rng(task: str, seed: int, index: int) -> np.random.Generator:
@@ -114,6 +128,72 @@ def arithmetic(seed: int, index: int, *, num_terms: int = 4, min_terms: int | No
     return _record("arithmetic", prompt, str(total), meta, steps="\n".join(steps))
 
 
+def tool_lookup(seed: int, index: int, *, num_pairs: int = 64, min_pairs: int | None = None,
+                key_len: int = 2, value_len: int = 3) -> dict[str, Any]:
+    """Example `index` of the lookup tool task (see the module docstring): `kv_retrieval`'s
+    table, kept out of the prompt."""
+    ex = kv_retrieval(seed, index, num_pairs=num_pairs, min_pairs=min_pairs, key_len=key_len,
+                      value_len=value_len)
+    lines = ex["prompt"].split("\n")[1:-1]
+    table = dict(line.split(": ") for line in lines)
+    key = ex["metadata"]["key"]
+    prompt = (f"Look up key {key} with the lookup tool. Answer with \\boxed{{...}}.")
+    meta = {k: v for k, v in ex["metadata"].items() if k != "steps"}
+    meta["table"] = table
+    return _record("tool_lookup", prompt, ex["answer"], meta, steps=f"{key}: {ex['answer']}")
+
+
+# The tool-call markup of Qwen2.5 / Qwen3 (one token each in the embedded tokenizer when the
+# task uses tools: `lrl.data.tokenizer.TOOL_TOKENS`).
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+# The tasks whose answers need a tool: their SFT responses are whole conversations.
+TOOL_TASKS = ("tool_lookup",)
+
+
+def tool_call_text(name: str, arguments: dict) -> str:
+    """A tool call as the model writes it (compact JSON, keys in the given order)."""
+    import json
+    return (TOOL_CALL_OPEN + json.dumps({"name": name, "arguments": arguments})
+            + TOOL_CALL_CLOSE)
+
+
+def tool_conversation(example: dict[str, Any], think: bool = True,
+                      boxed: str | None = None, call: bool = True) -> list[dict[str, str]]:
+    """The assistant / tool messages after the prompt of a tool task's demonstration: a
+    ``lookup`` call, the tool's answer, the boxed answer (boxing `boxed` when given). With
+    `call` False: the boxed answer alone (a demonstration that skips the tool). With `think`
+    the final turn first repeats the line it read (``<think>qz: 482</think>``); the tool
+    task's SFT leaves it out: the tool's response is the reasoning, and a tiny model learns
+    one copy of the value faster than two."""
+    final = sft_response(example, think=think, boxed=boxed)
+    if not call:
+        return [{"role": "assistant", "content": final}]
+    key = example["metadata"]["key"]
+    return [{"role": "assistant", "content": tool_call_text("lookup", {"key": key})},
+            {"role": "tool", "content": example["metadata"]["table"][key]},
+            {"role": "assistant", "content": final}]
+
+
+def render_turns(turns: list[dict[str, str]]) -> str:
+    """The text after the prompt's generation header of a conversation's later messages, in
+    the tool template's ChatML (`lrl.data.tokenizer.TOOL_TEMPLATE`): what the SFT response
+    of a tool task is. The final EOS is left to the SFT tokenizer, as for any response."""
+    out = []
+    for i, m in enumerate(turns):
+        if m["role"] == "assistant":
+            out.append(("<|im_start|>assistant\n" if i else "") + m["content"])
+            if i + 1 < len(turns):
+                out.append("<|im_end|>\n")
+        elif m["role"] == "tool":
+            out.append(f"<|im_start|>user\n{TOOL_RESPONSE_OPEN}\n{m['content']}\n"
+                       f"{TOOL_RESPONSE_CLOSE}<|im_end|>\n")
+        else:
+            raise ValueError(f"render_turns: message {i} has role {m['role']!r}; "
+                             "expected assistant or tool")
+    return "".join(out)
+
+
 def _record(task: str, prompt: str, answer: str, meta: dict, steps: str) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": prompt}], "prompt": prompt,
             "answer": answer, "task": task, "metadata": {**meta, "steps": steps}}
@@ -122,6 +202,7 @@ def _record(task: str, prompt: str, answer: str, meta: dict, steps: str) -> dict
 TASKS: dict[str, Callable[..., dict[str, Any]]] = {
     "kv_retrieval": kv_retrieval,
     "arithmetic": arithmetic,
+    "tool_lookup": tool_lookup,
 }
 
 
@@ -159,7 +240,8 @@ def sft_example(task: str, seed: int, index: int, think: bool = True, answer_noi
     """`make_example` plus ``"response"``: the (prompt, response) record of the SFT warm start.
 
     With `answer_noise` = p, a fraction p of the demonstrations (chosen by seed and index)
-    reason correctly but box a wrong answer: a warm start with a flaw of the kind that SFT data
+    reason correctly but box a wrong answer (a tool task's skip the tool and box a wrong
+    guess): a warm start with a flaw of the kind that SFT data
     has and a verifier-rewarded RL phase can find and correct."""
     if not 0.0 <= answer_noise < 1.0:
         raise ValueError(f"synthetic {task}: answer_noise={answer_noise} must be in [0, 1)")
@@ -169,6 +251,9 @@ def sft_example(task: str, seed: int, index: int, think: bool = True, answer_noi
         rng = _rng(task + ":noise", seed, index)
         if rng.random() < answer_noise:
             boxed = wrong_answer(example["answer"], rng)
+    if task in TOOL_TASKS:
+        turns = tool_conversation(example, think=False, boxed=boxed, call=boxed is None)
+        return {**example, "turns": turns, "response": render_turns(turns)}
     return {**example, "response": sft_response(example, think=think, boxed=boxed)}
 
 
@@ -187,5 +272,8 @@ def synthetic_corpus(num_examples: int = 2000, seed: int = 0,
         task = tasks[i % len(tasks)]
         ex = sft_example(task, seed, i, **task_kwargs.get(task, {}))
         texts.append(ex["prompt"])
-        texts.append(ex["response"])
-    return texts
+        if task in TOOL_TASKS:  # the markup and chat tokens are added tokens: not learnt
+            texts.extend(_MARKUP.split(m["content"]) for m in ex["turns"])
+        else:
+            texts.append(ex["response"])
+    return [t for x in texts for t in ([x] if isinstance(x, str) else x) if t]

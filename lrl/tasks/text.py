@@ -125,12 +125,13 @@ def build_tokenizer(opts, workdir: str):
     out = os.path.join(workdir, "tokenizer")
     if os.path.isfile(os.path.join(out, "tokenizer.json")):
         return tok_lib.load_tokenizer(out)
-    from lrl.data.synthetic import synthetic_corpus
+    from lrl.data.synthetic import TOOL_TASKS, synthetic_corpus
     corpus = synthetic_corpus(2000, seed=opts.seed, tasks=(opts.data.task,),
                               task_kwargs={opts.data.task: task_kwargs(opts)})
     # Only process 0 writes; the others train the same deterministic tokenizer in memory.
     return tok_lib.build_tokenizer(corpus, opts.tokenizer.vocab_size,
-                                   out_dir=out if jax.process_index() == 0 else None)
+                                   out_dir=out if jax.process_index() == 0 else None,
+                                   tools=opts.data.task in TOOL_TASKS)
 
 
 def model_config(opts, tokenizer) -> models.ModelConfig:
