@@ -261,3 +261,20 @@ def test_bad_batches_name_the_culprit():
     with pytest.raises(ValueError, match="num_micro=3"):
         upd.update_step(_state(_params(), tx), batch, model_cfg=CFG, loss_cfg=LOSS, tx=tx,
                         num_micro=3)
+
+
+def test_bf16_masters_update_is_adamw_and_finite():
+    """With bf16 masters the betas are not cast to bf16 (where 0.999 is 1.0 and Adam's bias
+    correction divides by zero: every update was NaN): the update equals optax's AdamW in
+    fp32 to bf16 precision."""
+    p = {"w": jnp.linspace(-1, 1, 16, dtype=jnp.bfloat16).reshape(4, 4)}
+    g = {"w": jnp.linspace(0.5, -0.25, 16, dtype=jnp.bfloat16).reshape(4, 4)}
+    tx = optim.make_optimizer(lr=1e-3, warmup_steps=0, total_steps=10, b2=0.999,
+                              weight_decay=0.1, clip_norm=None)
+    u, _ = tx.update(g, tx.init(p), p)
+    ref = optax.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
+    p32 = jax.tree.map(lambda x: x.astype(jnp.float32), p)
+    want, _ = ref.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), ref.init(p32), p32)
+    assert bool(jnp.isfinite(u["w"]).all())
+    np.testing.assert_allclose(np.asarray(u["w"], np.float32), np.asarray(want["w"]),
+                               rtol=2e-2, atol=1e-5)

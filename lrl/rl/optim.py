@@ -60,7 +60,11 @@ def make_optimizer(*, lr: float, warmup_steps: int, total_steps: int, b1: float 
         raise ValueError(f"make_optimizer: clip_norm must be >= 0 or None, got {clip_norm}")
     if weight_decay < 0:
         raise ValueError(f"make_optimizer: weight_decay must be >= 0, got {weight_decay}")
-    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+    # Only the learning rate is injected (the update reports it): optax casts injected floats
+    # to the params' dtype, and b2=0.999 in bf16 is 1.0, whose bias correction divides by zero
+    # (every update NaN with bf16 masters). Static, the betas and eps stay Python floats.
+    adamw = optax.inject_hyperparams(
+        optax.adamw, static_args=("mask", "b1", "b2", "eps", "weight_decay"))(
         learning_rate=lr_schedule(lr, warmup_steps, total_steps, end_lr_ratio),
         b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
     if not clip_norm:
