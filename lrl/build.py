@@ -89,7 +89,8 @@ def offload(o: options_lib.OptimOptions, model_cfg, mesh):
     else None; why), by `lrl.rl.offload.decide_for`."""
     from lrl.rl import offload as offload_lib
     on, why = offload_lib.decide_for(o.offload, model_cfg, mesh)
-    log.info("optimizer offload %s (%s)", "on" if on else "off", why)
+    # The run's banner says it when on (lrl.loop); off, the plain run's case, stays quiet.
+    (log.info if on else log.debug)("optimizer offload %s (%s)", "on" if on else "off", why)
     return (model_cfg if on else None), why
 
 

@@ -94,8 +94,8 @@ def _run_phases(r: Run, build: Build, step: Step) -> dict:
     sft_steps, rl_steps = opts.sft.steps, opts.rl_steps
     # Masters and Adam moments in host memory when the device cannot hold them (lrl.rl.offload).
     off, why = build_lib.offload(opts.optim, r.task.model_cfg, r.mesh)
-    r.writer.note(f"optimizer: masters and moments {'in host memory' if off else 'on the device'}"
-                  f" ({why})")
+    if off:   # said when it changes what the device holds; "off" is the plain run's default
+        r.writer.note(f"optimizer: masters and moments in host memory ({why})")
     sft_tx, rl_tx = build_lib.optimizers(opts, off)
     abstract, trees = build_lib.restore_targets(r, rl_tx)
     restored = r.ckpt.restore(abstract, trees=trees)
