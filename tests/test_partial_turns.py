@@ -124,3 +124,67 @@ def test_carried_trajectories_round_trip_through_the_data_state(tok):
     bad[0]["samples"][0]["mask"] = [1]
     with pytest.raises(ValueError, match="carried group 0: ValueError: .* a model mask of 1"):
         partial.from_state(ci.decode_data(bad), tasks.prompt_from_state)
+
+
+from lrl.envs import base as env_base   # noqa: E402
+
+
+@env_base.register("test_parity_answers")
+class _ParityAnswers(env_base.Environment):
+    """Answers every model turn with a tool result, rewarding turns of an odd length: every
+    trajectory runs `max_turns` turns, and a group's rewards differ (a gradient)."""
+    role = "tool"
+
+    def step(self, turn_text, turn_tokens):
+        return env_base.Step("42", float(len(turn_tokens) % 2), False, {"tool_calls": 1})
+
+
+def _tools_config(steps):
+    from lrl import config_util
+    from tests.test_partial import ROOT
+    c = config_util.load(f"{ROOT}/configs/default.py", "tools_runlocal")
+    c.mesh.update(fsdp=4, tensor=2)   # the suite's 8 devices
+    c.rl.steps = steps
+    c.eval.every = 0
+    # a budget of 48 sampled tokens a step: the first decode call of the 16 trajectories (3
+    # turns each) stops the rollout, and they run on over the next steps
+    c.rollout.update(partial=True, partial_tokens=48, max_staleness=4, partial_tail=0.0,
+                     partial_backlog=0.0, env="test_parity_answers")
+    return c
+
+
+def _same(row):
+    from tests.test_partial import _compared
+    return {k: v for k, v in _compared(row).items() if "tool_s" not in k}
+
+
+@pytest.mark.slow
+def test_tools_loop_with_partial_rollouts_resumes_mid_trajectory_as_the_uncut_run(
+        tmp_path, monkeypatch):
+    """`tools_runlocal` with `rollout.partial`: trajectories carried across steps train end to
+    end, and a run stopped (SIGTERM) with trajectories carried mid-way, then resumed from its
+    checkpoint, logs what the uninterrupted run logs, step for step."""
+    from lrl import build as build_lib
+    from lrl import loop
+    from tests.test_partial import _rows, _run_cut
+    loop.run(_tools_config(5), str(tmp_path / "straight"))
+    want = [r for r in _rows(tmp_path / "straight") if "partial/carried_samples" in r]
+    assert [r["step"] for r in want] == [21, 22, 23, 24, 25]   # after 20 SFT steps
+    assert sum(r["partial/carried_samples"] for r in want) > 0
+    assert sum(r["partial/trained_groups"] for r in want) > 0
+    trained = [r for r in want if r["partial/trained_groups"]]
+    assert all(np.isfinite(r["loss"]) and r["turns/turns_mean"] > 1 for r in trained)
+    assert any(r["loss"] != 0 for r in trained)
+    assert max(r["partial/version_span_max"] for r in want) >= 1
+    cut = _run_cut(tmp_path / "cut", _tools_config(5), build_lib.grpo, monkeypatch, at=22)
+    assert cut[-1]["partial/carried_samples"] > 0   # the checkpoint holds trajectories mid-way
+    got = [r for r in _rows(tmp_path / "cut") if "partial/carried_samples" in r]
+    assert [r["step"] for r in got] == [21, 22, 23, 24, 25]
+    for a, b in zip(got, want):
+        a, b = _same(a), _same(b)
+        assert sorted(a) == sorted(b)
+        for k in a:
+            if isinstance(a[k], str):
+                assert a[k] == b[k], k
+            else:
+                np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
