@@ -146,6 +146,7 @@ def _tools_config(steps):
     c.mesh.update(fsdp=4, tensor=2)   # the suite's 8 devices
     c.rl.steps = steps
     c.eval.every = 0
+    c.rl.shared_prompt = "on"   # each group's prompt once in the update's rows
     # a budget of 48 sampled tokens a step: the first decode call of the 16 trajectories (3
     # turns each) stops the rollout, and they run on over the next steps
     c.rollout.update(partial=True, partial_tokens=48, max_staleness=4, partial_tail=0.0,
@@ -161,8 +162,8 @@ def _same(row):
 @pytest.mark.slow
 def test_tools_loop_with_partial_rollouts_resumes_mid_trajectory_as_the_uncut_run(
         tmp_path, monkeypatch):
-    """`tools_runlocal` with `rollout.partial`: trajectories carried across steps train end to
-    end, and a run stopped (SIGTERM) with trajectories carried mid-way, then resumed from its
+    """`tools_runlocal` with `rollout.partial` and the shared-prompt layout: trajectories
+    carried across steps train end to end, and a run stopped (SIGTERM) with trajectories carried mid-way, then resumed from its
     checkpoint, logs what the uninterrupted run logs, step for step."""
     from lrl import build as build_lib
     from lrl import loop
@@ -175,6 +176,7 @@ def test_tools_loop_with_partial_rollouts_resumes_mid_trajectory_as_the_uncut_ru
     trained = [r for r in want if r["partial/trained_groups"]]
     assert all(np.isfinite(r["loss"]) and r["turns/turns_mean"] > 1 for r in trained)
     assert any(r["loss"] != 0 for r in trained)
+    assert all(r["pack/shared_frac"] > 0 for r in trained)
     assert max(r["partial/version_span_max"] for r in want) >= 1
     cut = _run_cut(tmp_path / "cut", _tools_config(5), build_lib.grpo, monkeypatch, at=22)
     assert cut[-1]["partial/carried_samples"] > 0   # the checkpoint holds trajectories mid-way
