@@ -228,8 +228,13 @@ def _decode_round(s: Setup, params, pending: tuple, step: int, target: int, *, t
     """One rollout (`rollout.run`) of the unfinished samples of `pending` (drawn by policy version
     `step`), stopped once `target` groups are complete, `tokens` are sampled or `seconds`
     have passed (0: no such budget; `partial.stop_rule`) or in the tail. -> (pending after
-    it, the carried samples' tokens prefilled again)."""
+    it, the carried samples' tokens prefilled again). Trajectories (`rollout.env`):
+    `lrl.partial_turns.decode_round`."""
     ro = s.rollout
+    if ro.env:
+        from lrl import partial_turns
+        return partial_turns.decode_round(s, params, pending, step, target, tokens=tokens,
+                                          seconds=seconds, seed=seed, stats=stats)
     ids, counts, max_new, index = partial.requests(pending, s.rl.max_new_tokens)
     samples = [(pending[i].prompt.ids, j, pending[i].samples[j].tokens.size)
                for per in index for i, j in per]
@@ -249,6 +254,9 @@ def _decode_round(s: Setup, params, pending: tuple, step: int, target: int, *, t
 
 def _complete_groups(s: Setup, done, step: int) -> Groups:
     """Complete `Pending` groups as Groups, each sample's age counted from its oldest token."""
+    if s.rollout.env:
+        from lrl import partial_turns
+        return partial_turns.complete_groups(s, done, step)
     samples = [x for g in done for x in g.samples]
     completions = tuple(x.tokens for x in samples)
     return Groups(tuple(g.prompt for g in done), completions, tuple(x.logps for x in samples),

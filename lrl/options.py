@@ -325,8 +325,9 @@ def _check_partial(o: Options) -> None:
 def _check_env(o: Options) -> None:
     """What multi-turn rollouts (`rollout.env`) do not run with yet: the video task, PPO's
     token-level advantages (observation tokens would need values and rewards placed), the
-    one-step-off pipeline, partial rollouts and a reward model (the driver's reward is the
-    trajectory's)."""
+    one-step-off pipeline and a reward model (the driver's reward is the trajectory's).
+    Partial rollouts carry trajectories across steps (`lrl.partial_turns`), without kept KV
+    pages (`rollout.partial_keep_kv` does not apply)."""
     ro = o.rollout
     if not ro.env:
         return
@@ -336,7 +337,6 @@ def _check_env(o: Options) -> None:
         raise ValueError(f"rollout.env={ro.env!r} runs on the text task only, not task={o.task!r}")
     for bad, why in ((o.rl.uses_critic, f"rl.estimator={o.rl.estimator!r} (PPO's GAE)"),
                      (o.pipeline.rollout_devices, "pipeline.rollout_devices > 0"),
-                     (ro.partial, "rollout.partial=True"),
                      (o.reward.model.hf_path, "reward.model.hf_path")):
         if bad:
             raise ValueError(f"rollout.env={ro.env!r} is not built with {why}: multi-turn "

@@ -102,14 +102,8 @@ def groups_of(s, prompts: list, G: int, res, trajs: dict, env_metrics: dict,
             if mask.shape != ids.shape:
                 raise ValueError(f"multi-turn rollout: sample {(p, g)} has {ids.size} tokens "
                                  f"but a model mask of {mask.size}")
-            t = trajs.get((p, g))
             end = res.ends[p][g] if res.ends is not None else "stop"
-            rec = {"end": end if t is None else (t.end if end != "length" else "length"),
-                   "env_reward": 0.0 if t is None else trajectory_reward(
-                       t.turn_rewards, ro.turn_reward, ro.turn_discount),
-                   "model_tokens": int(mask.sum()), "observed_tokens": int(ids.size - mask.sum())}
-            for k in COUNTS:
-                rec[k] = 0 if t is None else getattr(t, k)
+            rec = record(ro, trajs.get((p, g)), end, mask)
             completions.append(ids)
             logps.append(np.asarray(lp, np.float32))
             masks.append(mask)
@@ -120,6 +114,18 @@ def groups_of(s, prompts: list, G: int, res, trajs: dict, env_metrics: dict,
                       if np.isscalar(v)})
     return Groups(tuple(prompts), tuple(completions), tuple(logps), G,
                   np.asarray(truncated, bool), masks=tuple(masks), trajectories=tuple(records))
+
+
+def record(ro, t, end: str, mask: np.ndarray) -> dict:
+    """A trajectory's entry of `Groups.trajectories`: `t` the driver's `Trajectory` (None: it
+    never ended a turn), `end` the scheduler's end of the sample, `mask` its model mask."""
+    rec = {"end": end if t is None else (t.end if end != "length" else "length"),
+           "env_reward": 0.0 if t is None else trajectory_reward(
+               t.turn_rewards, ro.turn_reward, ro.turn_discount),
+           "model_tokens": int(mask.sum()), "observed_tokens": int(mask.size - mask.sum())}
+    for k in COUNTS:
+        rec[k] = 0 if t is None else getattr(t, k)
+    return rec
 
 
 def metrics(groups) -> dict:

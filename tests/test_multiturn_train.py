@@ -266,9 +266,11 @@ def test_tools_config_checks_what_multi_turn_does_not_run_with():
     c = config_util.load(os.path.join(ROOT, "configs", "default.py"), "tools")
     o = options.from_config(c, check_files=False)
     assert o.rollout.env == "tools" and o.data.task == "tool_lookup"
-    c.rollout.partial = True
+    c.rollout.partial = True   # trajectories carried across steps (lrl.partial_turns)
+    assert options.from_config(c, check_files=False).rollout.partial
+    c.pipeline.rollout_devices = 1
     with pytest.raises(ValueError, match="rollout.env='tools' is not built with "
-                                         "rollout.partial=True"):
+                                         "pipeline.rollout_devices > 0"):
         options.from_config(c, check_files=False)
     c = config_util.load(os.path.join(ROOT, "configs", "default.py"), "tools")
     c.rollout.max_turn_tokens = 1000

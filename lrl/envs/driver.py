@@ -140,6 +140,7 @@ class Driver:
         self._live: dict[Key, _Live] = {}
         self._tickets: dict[int, Key] = {}
         self._finished: list[tuple[Key, str, object]] = []   # in-process steps and cut turns
+        self._prefix: dict[Key, np.ndarray] = {}   # carried trajectories' tokens (`resume`)
         self._restarts0 = getattr(pool, "n_restarts", 0)
 
     def first_observation(self, p: int) -> Optional[str]:
@@ -160,6 +161,8 @@ class Driver:
             state = live.traj.end if live.ticket is None else "a step still running"
             raise RuntimeError(f"Driver: turn_ended for sample {key}, which has {state}")
         tokens = np.asarray(tokens, np.int32)
+        if key in self._prefix:
+            tokens = np.concatenate([self._prefix[key], tokens])
         turn = tokens[live.start:]
         live.traj.turns += 1
         live.length, live.room = len(tokens), int(room)
@@ -190,6 +193,28 @@ class Driver:
         if block and not out:
             raise RuntimeError("Driver.ready(block=True): no environment step is running, "
                                "so nothing will ever be ready")
+        return out
+
+    # ----- partial rollouts: trajectories carried across rollouts -----------------------
+
+    def resume(self, key: Key, state: Optional[_Live], tokens) -> None:
+        """Sample `key` goes on with a trajectory an earlier rollout cut short: `state` is
+        what `state(key)` gave there (None: it had not ended a turn), `tokens` its tokens so
+        far, which this rollout holds as part of its prompt (`turn_ended`'s come after)."""
+        self._prefix[key] = np.asarray(tokens, np.int32)
+        if state is not None:
+            self._live[key] = copy.deepcopy(state)
+
+    def state(self, key: Key) -> Optional[_Live]:
+        """Sample `key`'s trajectory (environment, counts, where its turn starts), or None."""
+        return self._live.get(key)
+
+    def drain(self) -> list[tuple[Key, Optional[np.ndarray]]]:
+        """After a rollout a stop cut short: waits for the steps still running (of samples
+        cut while waiting on their environment) -> their answers, as `ready` gives them."""
+        out = []
+        while self._finished or self._tickets:
+            out += self.ready(block=True)
         return out
 
     # ----- a finished step ----------------------------------------------------------------

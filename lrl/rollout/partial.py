@@ -28,6 +28,7 @@ P prompts · G samples per prompt.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import time
 from typing import Optional
 
@@ -47,16 +48,25 @@ class Sample:
     versions: np.ndarray = _empty(np.int32)   # that policy's version (the step that sampled it)
     done: bool = False
     kept: Optional[object] = None   # an unfinished sample's KV in the engine's pool (`Kept`)
+    # multi-turn (`rollout.env`, `lrl.partial_turns`): 1 where the model sampled the token, 0
+    # for an observation's; and the trajectory's turn state (`lrl.partial_turns.TurnState`)
+    mask: np.ndarray = _empty(np.int8)
+    turn: Optional[object] = None
 
     def oldest(self) -> Optional[int]:
         return int(self.versions.min()) if self.versions.size else None
 
-    def extend(self, tokens, logps, version: int, done: bool, kept=None) -> "Sample":
+    def extend(self, tokens, logps, version: int, done: bool, kept=None, mask=None,
+               turn=None) -> "Sample":
+        """The sample with `tokens` appended (drawn by policy `version`); multi-turn: `mask`
+        their model mask, `turn` the turn state after them."""
         tokens = np.asarray(tokens, np.int32)
+        mask = self.mask if mask is None else np.concatenate(
+            [self.mask, np.asarray(mask, np.int8)])
         return Sample(np.concatenate([self.tokens, tokens]),
                       np.concatenate([self.logps, np.asarray(logps, np.float32)]),
                       np.concatenate([self.versions, np.full(tokens.size, version, np.int32)]),
-                      done, kept)
+                      done, kept, mask, turn)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -176,12 +186,20 @@ def carried_metrics(pending: tuple, version: int) -> dict:
 def to_state(pending: tuple, prompt_to_state) -> list:
     """The groups as JSON data for the checkpoint's data state, so a resume continues the same
     samples: tokens and versions as ints, log-probs as their float32 bytes (bit-exact);
-    `prompt_to_state` turns each group's prompt into JSON (the task's, which knows its fields)."""
-    return [{"prompt": prompt_to_state(g.prompt),
-             "samples": [{"tokens": x.tokens.tolist(), "versions": x.versions.tolist(),
-                          "logps": np.asarray(x.logps, "<f4").tobytes(), "done": bool(x.done)}
-                         for x in g.samples]}
+    `prompt_to_state` turns each group's prompt into JSON (the task's, which knows its fields).
+    A trajectory's (`rollout.env`) model mask goes with it, and its turn state (the
+    environment's state, counts, per-turn rewards) as pickle bytes: an environment is any
+    Python object the reward workers can take, which JSON cannot hold."""
+    return [{"prompt": prompt_to_state(g.prompt), "samples": [_sample_state(x) for x in g.samples]}
             for g in pending]
+
+
+def _sample_state(x: Sample) -> dict:
+    out = {"tokens": x.tokens.tolist(), "versions": x.versions.tolist(),
+           "logps": np.asarray(x.logps, "<f4").tobytes(), "done": bool(x.done)}
+    if x.mask.size or x.turn is not None:
+        out.update(mask=x.mask.tolist(), turn=pickle.dumps(x.turn))
+    return out
 
 
 def from_state(state: list, prompt_from_state) -> tuple:
@@ -197,8 +215,14 @@ def from_state(state: list, prompt_from_state) -> tuple:
                 if not tokens.ndim == 1 or not tokens.shape == logps.shape == versions.shape:
                     raise ValueError(f"tokens, log-probs and versions of lengths "
                                      f"{tokens.shape}, {logps.shape}, {versions.shape}")
-                samples.append(Sample(tokens, logps, versions, bool(x["done"])))
+                mask = np.asarray(x.get("mask", ()), np.int8)
+                if "mask" in x and mask.shape != tokens.shape:
+                    raise ValueError(f"{tokens.size} tokens but a model mask of {mask.size}")
+                turn = pickle.loads(x["turn"]) if "turn" in x else None
+                samples.append(Sample(tokens, logps, versions, bool(x["done"]), None, mask,
+                                      turn))
             out.append(Pending(prompt_from_state(g["prompt"]), tuple(samples)))
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, pickle.UnpicklingError, AttributeError,
+                ImportError) as e:
             raise ValueError(f"carried group {i}: {type(e).__name__}: {e}") from e
     return tuple(out)
