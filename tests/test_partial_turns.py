@@ -167,7 +167,14 @@ def test_tools_loop_with_partial_rollouts_resumes_mid_trajectory_as_the_uncut_ru
     checkpoint, logs what the uninterrupted run logs, step for step."""
     from lrl import build as build_lib
     from lrl import loop
+    from lrl.envs import driver as driver_lib
     from tests.test_partial import _rows, _run_cut
+    # Environment steps in the driver's own process, each ready at its turn's end: with the
+    # pool's threads (reward.num_workers=0) a step may or may not be done by the scheduler's
+    # next poll, which moves where the token budget cuts the trajectories, so two runs (the
+    # straight and the resumed) could differ for a reason that is not the resume.
+    real = driver_lib.Driver
+    monkeypatch.setattr(driver_lib, "Driver", lambda *a, **k: real(*a, **{**k, "pool": None}))
     loop.run(_tools_config(5), str(tmp_path / "straight"))
     want = [r for r in _rows(tmp_path / "straight") if "partial/carried_samples" in r]
     assert [r["step"] for r in want] == [21, 22, 23, 24, 25]   # after 20 SFT steps
