@@ -33,8 +33,9 @@ def _setup(estimator, dynamic=False, P=2, G=3):
                                 temperature=1.0)
     prompts = [Prompt(np.array([10 * (p + 1)], np.int32), "", {}, f"p{p}") for p in range(P)]
     task = types.SimpleNamespace(prepare=lambda params, raw: (list(prompts), {}))
-    return types.SimpleNamespace(rl=rl_, seed=0, task=task, pool=_Pool(), tokenizer=_Tok(),
-                                 prefill=None, eos_ids=(0,))
+    return types.SimpleNamespace(rl=rl_, rollout=types.SimpleNamespace(env=""), seed=0,
+                                 task=task, pool=_Pool(), tokenizer=_Tok(), prefill=None,
+                                 eos_ids=(0,))
 
 
 def _fake_generate(calls):
