@@ -142,6 +142,20 @@ def test_sft_loss_ignores_the_observation_targets():
     assert run(full, False)[0] != pytest.approx(run(full, True)[0], rel=1e-3)
 
 
+def test_trajectory_text_marks_the_observations(tool_tok):
+    """samples.jsonl's trajectory: the model's turns as sampled, the environment's tokens
+    wrapped in [observation] marks."""
+    from lrl.data import prompts
+    ex = synthetic.sft_example("tool_lookup", 0, 7, **KW)
+    _, r = prompts.tokenize_sft(tool_tok, ex)
+    mask = prompts.response_train_mask(tool_tok, ex, r)
+    text = trajectories.trajectory_text(tool_tok, r, mask)
+    call, obs, final = ex["turns"]
+    assert text == (call["content"] + "<|im_end|>[observation]\n<|im_start|>user\n"
+                    f"<tool_response>\n{obs['content']}\n</tool_response><|im_end|>\n"
+                    f"<|im_start|>assistant\n[/observation]{final['content']}<|im_end|>")
+
+
 # ----------------------------------------------------------------------------- the update
 
 class _TextRows:
