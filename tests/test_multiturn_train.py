@@ -472,3 +472,9 @@ def test_tools_runlocal_runs_multi_turn_through_the_one_loop(tmp_path):
     assert m["turns/generated_tokens"] > 0 and "eval/pass@4" in m and np.isfinite(m["loss"])
     tok = tok_lib.load_tokenizer(str(tmp_path / "tokenizer"))
     assert tok.convert_tokens_to_ids("<tool_call>") == 314   # vocab_size - 6
+    # samples.jsonl shows the whole trajectory; any tool answer inside observation marks.
+    import json
+    recs = [json.loads(x) for x in open(tmp_path / "samples.jsonl")]
+    assert recs and all(r["trajectory"].startswith(r["completion"][:1]) for r in recs)
+    assert all(r["trajectory"].count("[observation]") == r["trajectory"].count(
+        "<tool_response>") for r in recs)
