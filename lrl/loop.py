@@ -29,7 +29,7 @@ from lrl import checkpoint as ckpt_lib
 from lrl import compile_cache
 from lrl import console
 from lrl import distributed
-from lrl import grpo, step_setup, tasks, wandb_sink
+from lrl import grpo, step_setup, tasks, trajectories, wandb_sink
 from lrl import mesh as mesh_lib
 from lrl import pipeline as pipeline_lib
 from lrl import preflight
@@ -223,7 +223,8 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
                                        e.temperature, step))
             metrics = r.writer.write(offset + step, m)
             distributed.beat(f"grpo step {offset + step}")
-            r.writer.samples(offset + step, _samples(groups, opts.metrics.samples_per_step))
+            r.writer.samples(offset + step, _samples(groups, opts.metrics.samples_per_step,
+                                                     s.tokenizer))
             stopped = r.guard.should_stop(offset + step)
             _checkpoint(r, offset + step, state, lambda: {
                 "phase": "grpo", "step": step, "prompt_iter": it.get_state(),
@@ -318,9 +319,14 @@ def _restore_carry(r: Run, data_state: dict, where: str):
     return None, dropped
 
 
-def _samples(groups: Groups, n: int) -> list[dict]:
+def _samples(groups: Groups, n: int, tokenizer=None) -> list[dict]:
     G = groups.group_size
-    return [{"prompt": groups.prompts[i // G].text, "completion": groups.texts[i],
-             "reward": float(groups.rewards_PG.flat[i]),
-             "answer": str(groups.prompts[i // G].answer)}
-            for i in range(min(n, len(groups.texts)))]
+    out = [{"prompt": groups.prompts[i // G].text, "completion": groups.texts[i],
+            "reward": float(groups.rewards_PG.flat[i]),
+            "answer": str(groups.prompts[i // G].answer)}
+           for i in range(min(n, len(groups.texts)))]
+    if groups.masks and tokenizer is not None:   # multi-turn: the tool's answers too
+        for i, rec in enumerate(out):
+            rec["trajectory"] = trajectories.trajectory_text(
+                tokenizer, groups.completions[i], groups.masks[i])
+    return out

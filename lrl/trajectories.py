@@ -146,3 +146,17 @@ def metrics(groups) -> dict:
     for end in sorted({r["end"] for r in recs}):
         out[f"turns/end_{end}_frac"] = sum(r["end"] == end for r in recs) / n
     return out
+
+
+def trajectory_text(tokenizer, completion, mask) -> str:
+    """A trajectory as text (special tokens kept), each run of observation tokens (mask 0)
+    wrapped in [observation]...[/observation]: what samples.jsonl shows, the model's turns
+    and what the environment answered."""
+    completion, mask = np.asarray(completion), np.asarray(mask) > 0
+    cuts = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+    out = []
+    for ids, m in zip(np.split(completion, cuts), np.split(mask, cuts)):
+        if ids.size:
+            text = tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+            out.append(text if m[0] else f"[observation]{text}[/observation]")
+    return "".join(out)

@@ -80,6 +80,82 @@ def test_sft_demo_is_the_template_render_and_the_template_drops_earlier_thinking
     assert "need the tool" not in again and not again.startswith(sampled)
 
 
+def test_sft_trains_the_model_turns_and_masks_the_observation(tool_tok):
+    """A tool demonstration's loss covers what the model writes (its turns, each with its
+    <|im_end|>, and the final EOS); what the rollout appends (`lrl.envs.observation_ids` of
+    the tool's message: the tool's value among it) is read, never a target."""
+    from lrl.data import prompts
+    from lrl.envs import observation_ids
+    ex = synthetic.sft_example("tool_lookup", 0, 7, **KW)
+    p, r = prompts.tokenize_sft(tool_tok, ex)
+    mask = prompts.response_train_mask(tool_tok, ex, r)
+    end = tool_tok.convert_tokens_to_ids("<|im_end|>")
+    obs = observation_ids(tool_tok, [ex["turns"][1]], last_token=end, end_ids=(end,))
+    call = tool_tok(ex["turns"][0]["content"], add_special_tokens=False)["input_ids"] + [end]
+    final = tool_tok(ex["turns"][2]["content"], add_special_tokens=False)["input_ids"]
+    assert list(r) == call + obs + final + [tool_tok.eos_token_id]
+    assert list(mask) == [1.0] * len(call) + [0.0] * len(obs) + [1.0] * (len(final) + 1)
+    assert synthetic.render_turns(ex["turns"]) == ex["response"]
+    skip = next(e for i in range(40) if len((e := synthetic.sft_example(
+        "tool_lookup", 0, i, answer_noise=0.5, **KW))["turns"]) == 1)
+    assert prompts.response_train_mask(tool_tok, skip, prompts.tokenize_sft(tool_tok, skip)[1]
+                                       ).all()
+    bad = {**ex, "response_segments": [("<tool_ca", True), ("ll>", True)]}
+    with pytest.raises(ValueError, match="response_segments"):
+        prompts.response_train_mask(tool_tok, bad, r)
+
+
+def test_sft_loss_ignores_the_observation_targets():
+    """Changing the targets at the masked (observation) positions leaves the SFT loss and
+    its update unchanged; without the masks the same change moves the loss."""
+    import optax
+    from lrl.data import packing
+    from lrl.rl import update as upd
+    from lrl.rl.sft import make_sft_fn
+    rng = np.random.RandomState(0)
+    prompts_ = [rng.randint(2, 64, 5) for _ in range(3)]
+    responses = [rng.randint(2, 64, n) for n in (9, 7, 11)]
+    masks = [np.array([1, 1, 0, 0, 0, 1, 1, 1, 1.0]), None,
+             np.array([1, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1.0])]
+    params = models.init_params(TINY, jax.random.key(2))
+    fn = make_sft_fn(TINY, optax.sgd(1.0))
+
+    full, _ = packing.sft_pack(prompts_, responses, 32, min_rows=2)
+    masked, _ = packing.sft_pack(prompts_, responses, 32, min_rows=2, train_masks=masks)
+    off = (full["loss_mask"] > 0) & (masked["loss_mask"] == 0)   # the observation targets
+    assert full["loss_mask"].sum() == 27 and off.sum() == 8
+    np.testing.assert_array_equal(masked["tokens"], full["tokens"])
+
+    def run(batch, scramble):
+        batch = dict(batch)
+        if scramble:
+            batch["targets"] = np.where(off, (batch["targets"] + 7) % 64, batch["targets"])
+        state = upd.init_train_state(jax.tree.map(jax.numpy.array, params), optax.sgd(1.0))
+        new, m = fn(state, batch)
+        return float(m["loss"]), jax.tree.map(np.asarray, new.params)
+
+    (l0, p0), (l1, p1) = run(masked, False), run(masked, True)
+    assert l0 == pytest.approx(l1, rel=1e-6)
+    for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    # Unmasked, the same positions are targets: the same change moves the loss.
+    assert run(full, False)[0] != pytest.approx(run(full, True)[0], rel=1e-3)
+
+
+def test_trajectory_text_marks_the_observations(tool_tok):
+    """samples.jsonl's trajectory: the model's turns as sampled, the environment's tokens
+    wrapped in [observation] marks."""
+    from lrl.data import prompts
+    ex = synthetic.sft_example("tool_lookup", 0, 7, **KW)
+    _, r = prompts.tokenize_sft(tool_tok, ex)
+    mask = prompts.response_train_mask(tool_tok, ex, r)
+    text = trajectories.trajectory_text(tool_tok, r, mask)
+    call, obs, final = ex["turns"]
+    assert text == (call["content"] + "<|im_end|>[observation]\n<|im_start|>user\n"
+                    f"<tool_response>\n{obs['content']}\n</tool_response><|im_end|>\n"
+                    f"<|im_start|>assistant\n[/observation]{final['content']}<|im_end|>")
+
+
 # ----------------------------------------------------------------------------- the update
 
 class _TextRows:
@@ -398,3 +474,9 @@ def test_tools_runlocal_runs_multi_turn_through_the_one_loop(tmp_path):
     assert m["turns/generated_tokens"] > 0 and "eval/pass@4" in m and np.isfinite(m["loss"])
     tok = tok_lib.load_tokenizer(str(tmp_path / "tokenizer"))
     assert tok.convert_tokens_to_ids("<tool_call>") == 314   # vocab_size - 6
+    # samples.jsonl shows the whole trajectory; any tool answer inside observation marks.
+    import json
+    recs = [json.loads(x) for x in open(tmp_path / "samples.jsonl")]
+    assert recs and all(r["trajectory"].startswith(r["completion"][:1]) for r in recs)
+    assert all(r["trajectory"].count("[observation]") == r["trajectory"].count(
+        "<tool_response>") for r in recs)

@@ -37,7 +37,7 @@ hold rather than a full row each.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -489,8 +489,23 @@ def unpack(batch: Mapping[str, np.ndarray], layout: Mapping[str, Any]) -> dict[s
 
 def sft_pack(prompts: Sequence[Any], responses: Sequence[Any], row_len: int, *,
              rows_multiple: int = 1, min_rows: int = 0, truncate: bool = False,
-             decreasing: bool = True) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+             decreasing: bool = True, train_masks: Optional[Sequence[Any]] = None,
+             ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """`pack` for supervised fine-tuning: the loss covers the response tokens (which should
-    end with the EOS token so the model learns to stop)."""
-    return pack(prompts, responses, row_len, rows_multiple=rows_multiple, min_rows=min_rows,
-                truncate=truncate, decreasing=decreasing)
+    end with the EOS token so the model learns to stop). `train_masks[i]`, one value per
+    token of response i (or None: all 1), scales its loss: 0 on what the model reads but
+    does not write (a multi-turn demonstration's tool responses)."""
+    if train_masks is None or all(m is None for m in train_masks):
+        return pack(prompts, responses, row_len, rows_multiple=rows_multiple,
+                    min_rows=min_rows, truncate=truncate, decreasing=decreasing)
+    if len(train_masks) != len(responses):
+        raise ValueError(f"sft_pack: {len(train_masks)} train_masks for {len(responses)} "
+                         "responses")
+    masks = [np.ones(len(r), np.float32) if m is None else np.asarray(m, np.float32)
+             for r, m in zip(responses, train_masks)]
+    batch, layout = pack(prompts, responses, row_len, rows_multiple=rows_multiple,
+                         min_rows=min_rows, truncate=truncate, decreasing=decreasing,
+                         token_values={"train_mask": masks})
+    batch["loss_mask"] = batch["loss_mask"] * batch.pop("train_mask")
+    layout["token_keys"] = ()
+    return batch, layout

@@ -24,7 +24,7 @@ batches (lrl.data.packing) of exactly `rows` rows of `row_len` tokens.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import grain
 import numpy as np
@@ -75,6 +75,23 @@ def tokenize_sft(tokenizer, example: dict[str, Any],
     response = _encode(tokenizer, example["response"])
     return (tokenize_prompt(tokenizer, example["messages"], chat_template),
             np.append(response, np.int32(tokenizer.eos_token_id)).astype(np.int32))
+
+
+def response_train_mask(tokenizer, example: dict[str, Any],
+                        response_ids: np.ndarray) -> Optional[np.ndarray]:
+    """1.0 on the response ids (of `tokenize_sft`, EOS included) the SFT loss trains, 0.0 on
+    the rest, from the record's ``response_segments`` ((text, trained) pieces: a multi-turn
+    demonstration's tool responses are read, not predicted); None when it has none (all
+    trained). Pieces that tokenize otherwise than the whole response are an error."""
+    segments = example.get("response_segments")
+    if segments is None:
+        return None
+    ids = [_encode(tokenizer, text) for text, _ in segments]
+    if not np.array_equal(np.concatenate(ids + [response_ids[-1:]]), response_ids):
+        raise ValueError(f"SFT record {example.get('metadata')}: its response_segments "
+                         "tokenize otherwise than its response (cut them at special tokens)")
+    mask = [np.full(len(x), float(trained), np.float32) for x, (_, trained) in zip(ids, segments)]
+    return np.concatenate(mask + [np.ones(1, np.float32)])   # the EOS is trained
 
 
 def balance_shards(num_tokens, num_shards: int) -> np.ndarray:
@@ -259,7 +276,8 @@ class SFTIterator(_GrainIterator):
                 return {"prompt_ids": None, "num_chars": chars + len(ex["response"]),
                         "metadata": ex["metadata"]}
             p, r = tokenize_sft(tokenizer, ex, chat_template)
-            return {"prompt_ids": p, "response_ids": r, "metadata": ex["metadata"]}
+            return {"prompt_ids": p, "response_ids": r, "metadata": ex["metadata"],
+                    "train_mask": response_train_mask(tokenizer, ex, r)}
 
         self.rows, self.row_len, self.truncate = rows, row_len, truncate
         self._pending: dict[str, Any] | None = None
@@ -308,7 +326,8 @@ class SFTIterator(_GrainIterator):
         batch, layout = packing.sft_pack([r["prompt_ids"] for r in chosen],
                                          [r["response_ids"] for r in chosen], self.row_len,
                                          min_rows=self.rows, truncate=self.truncate,
-                                         decreasing=False)
+                                         decreasing=False,
+                                         train_masks=[r["train_mask"] for r in chosen])
         assert batch["tokens"].shape[0] == self.rows, batch["tokens"].shape
         self._counters["batches"] += 1
         batch["num_sequences"] = np.int32(len(chosen))

@@ -175,23 +175,34 @@ def tool_conversation(example: dict[str, Any], think: bool = True,
             {"role": "assistant", "content": final}]
 
 
+def turn_segments(turns: list[dict[str, str]]) -> list[tuple[str, bool]]:
+    """The SFT response of a tool task's conversation (`render_turns`) as (text, trained)
+    pieces: the model's turns with the end-of-turn token it samples are trained; what the
+    environment appends (the end of that line, the tool's message, the next assistant
+    header: the ids `lrl.envs.observation_ids` hands the rollout) is not, as GRPO leaves it
+    untrained too. Every cut is at a special token, so the pieces tokenize as the whole."""
+    out: list[tuple[str, bool]] = []
+    for i, m in enumerate(turns):
+        if m["role"] == "assistant":
+            if i:
+                out.append(("<|im_start|>assistant\n", False))
+            out.append((m["content"] + ("<|im_end|>" if i + 1 < len(turns) else ""), True))
+            if i + 1 < len(turns):
+                out.append(("\n", False))
+        elif m["role"] == "tool":
+            out.append((f"<|im_start|>user\n{TOOL_RESPONSE_OPEN}\n{m['content']}\n"
+                        f"{TOOL_RESPONSE_CLOSE}<|im_end|>\n", False))
+        else:
+            raise ValueError(f"render_turns: message {i} has role {m['role']!r}; "
+                             "expected assistant or tool")
+    return out
+
+
 def render_turns(turns: list[dict[str, str]]) -> str:
     """The text after the prompt's generation header of a conversation's later messages, in
     the tool template's ChatML (`lrl.data.tokenizer.TOOL_TEMPLATE`): what the SFT response
     of a tool task is. The final EOS is left to the SFT tokenizer, as for any response."""
-    out = []
-    for i, m in enumerate(turns):
-        if m["role"] == "assistant":
-            out.append(("<|im_start|>assistant\n" if i else "") + m["content"])
-            if i + 1 < len(turns):
-                out.append("<|im_end|>\n")
-        elif m["role"] == "tool":
-            out.append(f"<|im_start|>user\n{TOOL_RESPONSE_OPEN}\n{m['content']}\n"
-                       f"{TOOL_RESPONSE_CLOSE}<|im_end|>\n")
-        else:
-            raise ValueError(f"render_turns: message {i} has role {m['role']!r}; "
-                             "expected assistant or tool")
-    return "".join(out)
+    return "".join(text for text, _ in turn_segments(turns))
 
 
 def _record(task: str, prompt: str, answer: str, meta: dict, steps: str) -> dict[str, Any]:
@@ -253,7 +264,9 @@ def sft_example(task: str, seed: int, index: int, think: bool = True, answer_noi
             boxed = wrong_answer(example["answer"], rng)
     if task in TOOL_TASKS:
         turns = tool_conversation(example, think=False, boxed=boxed, call=boxed is None)
-        return {**example, "turns": turns, "response": render_turns(turns)}
+        segments = turn_segments(turns)
+        return {**example, "turns": turns, "response": "".join(t for t, _ in segments),
+                "response_segments": segments}
     return {**example, "response": sft_response(example, think=think, boxed=boxed)}
 
 
