@@ -6,6 +6,7 @@
     server.py     the orchestrator (JetStream's Driver) and its gRPC server on one host
     serve.py      `python -m lrl.serve --checkpoint=DIR`: load a policy and serve it
     client.py     a tiny client: send a chat prompt, print the streamed reply
+    chat.py       multi-turn chat with tools: the history as token ids, tools run locally
 
 Import `compat` and call `compat.install()` before anything imports jetstream; the modules
 here do so themselves.

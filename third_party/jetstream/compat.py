@@ -7,8 +7,9 @@ tests) and jax 0.11.2 (the GPU image: checked against its source, not run).
     from jetstream.core import orchestrator
 
 Patched: the `seqio` import (a stand-in), `jax.tree_map` in the orchestrator, the root logger
-that importing the orchestrator takes over, and the end of a request's return channel (a race
-that killed the process). `install()` is idempotent and patches only JetStream's own modules
+that importing the orchestrator takes over, the end of a request's return channel (a race
+that killed the process), and the stop token a reply ends on, which 0.2.2 drops (kept for a
+tokenizer that asks, `keep_stop_token`). `install()` is idempotent and patches only JetStream's own modules
 (and adds a stand-in `seqio` module when the real one is absent); jax and the rest of the
 process are left as they are. Each patch says why and for which upstream version.
 `check_version()` refuses another google-jetstream version, whose code these patches were not
@@ -116,6 +117,40 @@ def _patch_multifuture() -> None:
     am.AsyncMultifuture.add_result = add_result
 
 
+def _patch_stop_token() -> None:
+    """0.2.2's detokenizer (`token_utils.process_result_tokens`) ends a sample on a stop token
+    and drops it, so a client cannot tell which end token the model sampled (Llama 3 has
+    several) and cannot continue the conversation with the model's exact tokens
+    (`chat.py`). For a tokenizer whose `keep_stop_token` is true, the stop token is appended
+    to the sample's `token_ids` (not to its text); lrl's servicer strips it again for
+    clients that did not ask for it (`server.py`). Other tokenizers see no change."""
+    from jetstream.engine import token_utils
+    original = token_utils.process_result_tokens
+
+    def process_result_tokens(tokenizer, slot, slot_max_length, result_tokens, complete,
+                              is_client_side_tokenization=False, debug=False):
+        # What the original will skip: samples already ended, or past max_tokens.
+        data = result_tokens.get_result_at_slot(slot)
+        skipped = complete | (data.lengths > slot_max_length)
+        samples, complete = original(tokenizer, slot, slot_max_length, result_tokens,
+                                     complete, is_client_side_tokenization, debug)
+        if not getattr(tokenizer, "keep_stop_token", False):
+            return samples, complete
+        stops = tokenizer.stop_tokens
+        for i, sample in enumerate(samples):
+            if skipped[i].item():
+                continue
+            for tok, valid in zip(data.tokens[i].tolist(), data.valid[i].tolist()):
+                if not valid:
+                    break
+                if tok in stops:
+                    sample.token_ids.append(tok)
+                    break
+        return samples, complete
+
+    token_utils.process_result_tokens = process_result_tokens
+
+
 def install() -> None:
     global _installed
     if _installed:
@@ -134,4 +169,5 @@ def install() -> None:
             root.removeHandler(h)
     orchestrator.delete_pytree = _delete_pytree
     _patch_multifuture()
+    _patch_stop_token()
     _installed = True

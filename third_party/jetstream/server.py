@@ -12,6 +12,10 @@ things are ours, in `Orchestrator`, a subclass of JetStream's servicer:
   prompt to its last tokens with a log warning.)
 - Streamed text is decoded from the reply's token ids so far (`tokenizer.StreamText`), not
   token by token, so characters split over byte-level tokens come out whole.
+- A client that sends the metadata `lrl-stop-token: keep` (`STOP_TOKEN_METADATA`) gets the
+  end token the reply stopped on as the last of its token ids (JetStream drops it; a reply
+  cut at max_tokens has none). A multi-turn client needs it to continue the conversation
+  with the model's exact tokens (`chat.py`). Others get JetStream's replies unchanged.
 JetStream's own server (`jetstream.core.server_lib`) is not used: it listens on every
 interface ("[::]") and builds its servicer itself; this one listens on `host` only.
 """
@@ -34,6 +38,7 @@ from jetstream.core import orchestrator  # noqa: E402
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("lrl.serve")
+STOP_TOKEN_METADATA = ("lrl-stop-token", "keep")
 
 
 def make_driver(engine: LrlEngine) -> orchestrator.Driver:
@@ -48,6 +53,7 @@ class Orchestrator(orchestrator.LLMOrchestrator):
     def __init__(self, driver: orchestrator.Driver, engine: LrlEngine):
         super().__init__(driver=driver)
         self._engine = engine
+        engine.tokenizer.keep_stop_token = True   # stripped below unless the client asks
 
     def request_error(self, request: jetstream_pb2.DecodeRequest) -> Optional[str]:
         if request.WhichOneof("content") == "token_content":
@@ -71,11 +77,19 @@ class Orchestrator(orchestrator.LLMOrchestrator):
                 raise ValueError(error)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         text = request.WhichOneof("content") != "token_content"
+        keep = context is not None and any(
+            (m.key, m.value) == STOP_TOKEN_METADATA for m in context.invocation_metadata() or ())
+        stops = self._engine.tokenizer.stop_tokens
         stream = [StreamText(self._engine.tokenizer)]
         async for response in super().Decode(request, context):
-            if text:
-                for s, sample in zip(stream, response.stream_content.samples):
-                    sample.text = s.add(sample.token_ids)
+            for i, sample in enumerate(response.stream_content.samples):
+                # Only the stop-token patch puts a stop token in a sample, and only last.
+                ids = list(sample.token_ids)
+                stop = ids[-1:] if ids and ids[-1] in stops else []
+                if stop and not keep:
+                    del sample.token_ids[-1]
+                if text:
+                    sample.text = stream[i].add(ids[:len(ids) - len(stop)])
             yield response
         rest = [s.flush() for s in stream] if text else []
         if any(rest):   # the reply ended inside a character: its bytes, as U+FFFD

@@ -34,6 +34,10 @@ BOS_MARK = -1
 
 
 class HFTokenizer(tokenizer_api.Tokenizer):
+    # Whether JetStream's detokenizer appends the stop token a reply ended on to its token ids
+    # (compat._patch_stop_token); lrl's servicer turns it on and strips it for other clients.
+    keep_stop_token = False
+
     def __init__(self, tokenizer, eos_ids: Sequence[int], chat_template: bool = True):
         eos_ids = tuple(int(e) for e in eos_ids)
         if not eos_ids:
