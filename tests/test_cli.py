@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from lrl import cli, config_util
+from tests import xla_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, "configs", "default.py")
@@ -15,7 +16,7 @@ DEFAULT = os.path.join(ROOT, "configs", "default.py")
 
 def _main(*args, timeout=120):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's laptop
+    env["XLA_FLAGS"] = xla_env.SPEED_FLAGS  # one CPU device (a user's laptop), fast compiles
     return subprocess.run([sys.executable, "-m", "lrl.main", *args], cwd=ROOT,
                           timeout=timeout, capture_output=True, text=True, env=env)
 

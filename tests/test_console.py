@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from lrl import console
+from tests import xla_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Imported by lrl/ but deliberately not in requirements.txt, with the reason.
@@ -83,7 +84,7 @@ def test_requirements_cover_every_third_party_import_of_lrl():
 
 def _main(*args, timeout=600, **env_vars):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **env_vars}
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's laptop
+    env["XLA_FLAGS"] = xla_env.SPEED_FLAGS  # one CPU device (a user's laptop), fast compiles
     return subprocess.run([sys.executable, "-m", "lrl.main", *args], cwd=ROOT,
                           timeout=timeout, capture_output=True, text=True, env=env)
 

@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+from tests import xla_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES_PER_PROCESS = 2
 STEPS = 3
@@ -131,7 +133,8 @@ def worker_peer_fails(process_id: int, num_processes: int, port: int, how: str,
 def _env():
     env = dict(os.environ)
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS} "
+                         f"{xla_env.SPEED_FLAGS}",
                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     return env
 
@@ -172,7 +175,7 @@ def test_two_processes_match_one(tmp_path):
     port = portpicker.pick_unused_port()
     env = _env()
     one_env = dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count="
-                                  f"{2 * DEVICES_PER_PROCESS}")
+                                  f"{2 * DEVICES_PER_PROCESS} {xla_env.SPEED_FLAGS}")
     procs = [_launch(["update", i, 2, port, tmp_path], env, tmp_path / f"p{i}.log")
              for i in range(2)]
     procs.append(_launch(["update", 0, 1, 0, tmp_path], one_env, tmp_path / "single.log"))

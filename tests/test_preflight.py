@@ -18,6 +18,7 @@ import pytest
 
 from lrl import config_util, errors, main
 from tests.test_loop import tiny_config
+from tests import xla_env
 
 torch = pytest.importorskip("torch")
 
@@ -246,7 +247,7 @@ def test_out_of_memory_names_the_numbers_and_the_settings(capsys):
 
 def _main(*args, timeout=300):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's laptop
+    env["XLA_FLAGS"] = xla_env.SPEED_FLAGS  # one CPU device (a user's laptop), fast compiles
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "lrl.main", *args], cwd=ROOT, timeout=timeout,
                          capture_output=True, text=True, env=env)
