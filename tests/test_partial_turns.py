@@ -163,8 +163,10 @@ def _same(row):
 def test_tools_loop_with_partial_rollouts_resumes_mid_trajectory_as_the_uncut_run(
         tmp_path, monkeypatch):
     """`tools_runlocal` with `rollout.partial` and the shared-prompt layout: trajectories
-    carried across steps train end to end, and a run stopped (SIGTERM) with trajectories carried mid-way, then resumed from its
-    checkpoint, logs what the uninterrupted run logs, step for step."""
+    carried across steps train end to end, and a run stopped (SIGTERM) with trajectories
+    carried mid-way, then resumed from its checkpoint, logs what the uninterrupted run logs,
+    step for step. (The SFT warm start stays: a random model's turns rarely end, and the
+    trained steps' trajectories must have several turns.)"""
     from lrl import build as build_lib
     from lrl import loop
     from lrl.envs import driver as driver_lib
