@@ -22,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from typing import TYPE_CHECKING, Optional
 
 import jax
 
 from lrl import checkpoint as ckpt_lib
-from lrl import compile_cache, errors, grpo as grpo_lib, ppo as ppo_lib, step_setup
+from lrl import compile_cache, compiles, errors, grpo as grpo_lib, ppo as ppo_lib, step_setup
 from lrl import mesh as mesh_lib
 from lrl import options as options_lib
 from lrl import pipeline as pipeline_lib
@@ -211,17 +212,21 @@ def grpo(r: Run, state, tx, pool, critic_state=None, ppo_saved: Optional[dict] =
     # budget is then what is left.
     engine = decode = None   # with the pipeline, on the rollout mesh (`pipeline`)
     least = 0
+    t0, counted = time.time(), compiles.snapshot()   # the search's cost, for the note below
     if memory is not None:
         least = found["least"] if found else need(*budget_lib.smallest_shape(**sizes))
     if r.rollout_mesh is None:
         engine, decode = _engine(r, state.params, mesh, reserve=least)
     budget, found = _token_budget(r, sizes, need, memory, key, found, least)
+    searched = sum(compiles.since(counted).values())
     lengths = budget_lib.row_lengths(budget.row_len, sizes["unit"])
     tail = (f"; a minibatch's last rows in rows of {'/'.join(map(str, lengths[1:]))} tokens"
             if len(lengths) > 1 else "")
     r.writer.note(f"update micro-batch: {budget.describe()}{tail}, at most "
                   f"{cfg.max_segments - 1} sequences a row"
-                  + (" (found by an earlier start, kept in the compile cache)" if found else ""))
+                  + (" (found by an earlier start, kept in the compile cache)" if found else
+                     f" (sizing the pool and it compiled {searched} programs, {time.time() - t0:.0f} s)"
+                     if searched else ""))
     # The forward-only log-prob pass and the rollout's sequence-parallel prefill.
     logp_fn = None
     if rl_.old_logp == "trainer" or ref:

@@ -12,6 +12,7 @@ import collections
 import threading
 
 _COUNTS: collections.Counter = collections.Counter()
+_SECONDS: collections.Counter = collections.Counter()   # compile seconds, by function name
 _LOCK = threading.Lock()
 _EVENT = "/jax/core/compile/backend_compile_duration"
 _registered = False
@@ -20,7 +21,9 @@ _registered = False
 def _listener(event: str, duration: float, **kwargs) -> None:
     if event == _EVENT:
         with _LOCK:
-            _COUNTS[str(kwargs.get("fun_name", "?"))] += 1
+            name = str(kwargs.get("fun_name", "?"))
+            _COUNTS[name] += 1
+            _SECONDS[name] += duration
 
 
 def install() -> None:
@@ -46,3 +49,23 @@ def since(before: collections.Counter) -> dict:
 
 def total() -> int:
     return sum(snapshot().values())
+
+
+def seconds() -> collections.Counter:
+    """Seconds spent compiling so far, by function name (XLA's backend compile, or loading the
+    program from the persistent cache where it was there: jax times both as one event)."""
+    install()
+    with _LOCK:
+        return collections.Counter(_SECONDS)
+
+
+def seconds_since(before: collections.Counter) -> dict:
+    now = seconds()
+    return {k: v - before.get(k, 0.0) for k, v in now.items() if v > before.get(k, 0.0)}
+
+
+def describe(spent: dict, counts: dict, top: int = 6) -> str:
+    """`name x count s, ...`, the costliest first: where a start's compile time went."""
+    worst = sorted(spent.items(), key=lambda kv: -kv[1])[:top]
+    return ", ".join(f"{k.removeprefix('jit(').removesuffix(')')} x{counts.get(k, 0)} {v:.1f} s"
+                     for k, v in worst)

@@ -415,7 +415,9 @@ def learn(s: Setup, live: Live, state, groups: Groups, m: dict,
     local = groups.take(mine)
     batches, truncated = minibatches(s, local, adv_PG[mine],
                                      weight[np.repeat(mine, groups.group_size)])
+    t0 = time.time()
     warm_up(s, live, state.params, batches)
+    t_warm = time.time() - t0
     t0 = time.time()
     batches = old_and_ref_logps(s, state.params, batches, live.ppo)
     jax.block_until_ready([mb.get("old_logp") for b in batches for mb in b.micro])
@@ -439,6 +441,8 @@ def learn(s: Setup, live: Live, state, groups: Groups, m: dict,
                zip((local.prompts[i // local.group_size] for i in range(len(local.completions))),
                    local.completions)]
     m.update({"time/update_s": time.time() - t0, "time/logprob_s": t_logp,
+              # the first step's other shapes, compiled ahead (0 once all have run)
+              "time/warm_up_s": t_warm,
               # sum of squared sequence lengths: what the update's attention FLOPs grow with
               "pack/seq_len_sq": float(np.sum(np.square(lengths, dtype=np.float64))),
               # GAE's per-token advantages set their own (`lrl.ppo.gae_advantages`)

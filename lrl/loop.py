@@ -27,6 +27,7 @@ import jax
 from lrl import build as build_lib
 from lrl import checkpoint as ckpt_lib
 from lrl import compile_cache
+from lrl import compiles
 from lrl import console
 from lrl import distributed
 from lrl import grpo, step_setup, tasks, trajectories, wandb_sink
@@ -201,7 +202,9 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
         if held_out and step == 0:  # the baseline: the policy as GRPO starts
             r.writer.write(offset, grpo.evaluate(roll, sampled(state.params), held_out, e.k,
                                                  e.temperature, 0))
+        first = True
         while step < steps:
+            spent, counted = compiles.seconds(), compiles.snapshot()
             try:
                 if p is not None:
                     state, m, groups, carry = pipeline_lib.step(
@@ -213,6 +216,13 @@ def grpo_phase(r: Run, state, tx, offset: int, steps: int, data_state: dict,
                     raise
                 raise MemoryError(out_of_memory_message(opts, s, offset + step + 1, e)) from e
             step += 1
+            spent = compiles.seconds_since(spent)
+            m["compiles/seconds"] = sum(spent.values())
+            if first and spent:   # where a start's time goes (issue: first start <= 60 s)
+                log.info("step %d compiled or loaded %d programs in %.0f s: %s", offset + step,
+                         sum(compiles.since(counted).values()), m["compiles/seconds"],
+                         compiles.describe(spent, compiles.since(counted)))
+            first = False
             if dropped:
                 m["partial/dropped_on_resume"], dropped = dropped, 0
             if r.cache.path:   # programs this start loaded rather than compiled, so far

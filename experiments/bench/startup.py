@@ -83,6 +83,9 @@ def run_one(name: str, out: str, steps: int, extra: dict, smoke: bool, timeout: 
     print(f"{name}: exit {rc}, {wall:.0f} s, {len(rows)} steps (log {log})", flush=True)
     return dict(name=name, rc=rc, wall=wall, rows=rows, workdir=workdir,
                 cpp_lines=sum(bool(CPP_LINE.match(x)) for x in console),
+                # where the start's time went: the budget search's note, step 1's compiles
+                profile=[x.strip() for x in console
+                         if "update micro-batch:" in x or "compiled or loaded" in x],
                 tail=console[-5:] if rc else [])
 
 
@@ -153,6 +156,17 @@ def main():
               f"{mean('rollout/occupancy'):.0%} | {mean('partial/carried_samples'):.0f} | "
               f"{m:.1%} |")
         for line in r["tail"]:
+            print(f"    {line}")
+    print("\nStep 1, where the time went: | run | step 1 s | before step 1 s | compile or load s "
+          "| rollout s | warm-up s | log-prob s | update s |")
+    for r in results:
+        f = r["rows"][0] if r["rows"] else {}
+        before = r["wall"] - sum(x.get("time/step_s", 0.0) for x in r["rows"])
+        print(f"| {r['name']} | " + " | ".join(f"{v:.1f}" for v in (
+            f.get("time/step_s", float("nan")), before, f.get("compiles/seconds", float("nan")),
+            f.get("time/rollout_s", float("nan")), f.get("time/warm_up_s", float("nan")),
+            f.get("time/logprob_s", float("nan")), f.get("time/update_s", float("nan")))) + " |")
+        for line in r["profile"]:
             print(f"    {line}")
 
 
