@@ -12,8 +12,10 @@ On CPU, a tiny model and a few trajectories, to check the script itself:
 N trajectories (one sample of each of N prompts of T tokens) of K model turns each, every
 turn forced to a length drawn uniformly from [--turn-min, --turn-max] (`Request.max_turn_fn`:
 random weights never draw an end token), each turn followed by a tool that sleeps --latency
-seconds in a thread and returns --obs tokens (after the K-th it ends the trajectory). Both
-modes sample the same tokens (draws keyed by sample and step). The first run (continuous, the
+seconds in a thread and returns --obs tokens (after the K-th it ends the trajectory). The
+continuous mode runs twice: in `Policy.turn_order`'s default (new trajectories, then the
+laggards, first) and in "arrival" order (resumed samples first, as they came). Every mode
+samples the same tokens (draws keyed by sample and step). The first run (continuous, the
 first latency) compiles; every program is compiled by then, and the runs after it must
 compile nothing (counted, printed). Reported per mode and latency: wall seconds, generated
 (model) tokens per second, the slot occupancy (the share of the decode steps' rows that
@@ -114,7 +116,8 @@ def build(a, cfg):
     return rollout.Engine(cfg, ecfg), prompts, lengths, obs, limit
 
 
-def run_once(engine, dparams, params, prompts, lengths, obs, limit, a, latency, barrier):
+def run_once(engine, dparams, params, prompts, lengths, obs, limit, a, latency, barrier,
+             order="least_progress"):
     from lrl import rollout
     from lrl.rollout import scheduler
     tools = Tools(len(prompts), a.turns, obs, latency, barrier)
@@ -124,14 +127,17 @@ def run_once(engine, dparams, params, prompts, lengths, obs, limit, a, latency, 
     stats = {}
     t0 = time.perf_counter()
     result = scheduler.run(engine, params, request, decode_params=dparams, stats=stats,
-                           policy=rollout.Policy(steps_per_call=a.steps_per_call))
+                           policy=rollout.Policy(steps_per_call=a.steps_per_call,
+                                                 turn_order=order))
     wall = time.perf_counter() - t0
     tools.close()
     model = sum(int(m.sum()) for per in result.model_masks for m in per)
     if model != int(lengths.sum()) or stats["turns"] != a.turns * len(prompts):
         raise RuntimeError(f"the trajectories did not run as forced: {model} model tokens, "
                            f"{stats['turns']} turns")
-    return dict(mode="turn by turn" if barrier else "continuous", latency_ms=latency * 1e3,
+    mode = "turn by turn" if barrier else (
+        "continuous" if order == "least_progress" else f"continuous, {order} order")
+    return dict(mode=mode, latency_ms=latency * 1e3,
                 wall_s=wall, model_tokens=model, tok_s=model / wall,
                 occupancy=stats["slot_occupancy"],
                 occupancy_waiting=stats["occupancy_waiting"],
@@ -196,10 +202,11 @@ def main():
     print(json.dumps(rows[0]), f"(first run, compiles included: {time.perf_counter() - t0:.1f} "
                                f"s)", flush=True)
     before = compiles.snapshot()
+    runs = [(False, "least_progress"), (False, "arrival"), (True, "least_progress")]
     for latency in latencies:
-        for barrier in (False, True):
+        for barrier, order in runs:
             r = run_once(engine, dparams, params, prompts, lengths, obs, limit, a, latency,
-                         barrier)
+                         barrier, order)
             print(json.dumps(r), flush=True)
             rows.append(r)
     new = compiles.since(before)

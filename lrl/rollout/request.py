@@ -204,10 +204,27 @@ class Policy:
     next decode call is launched before the last is collected too (the slots a call frees are
     refilled a call later, their rows idle through one more call), so the host's collection,
     admission and page growth run while the device decodes; once no sample waits, calls
-    always overlap so."""
+    always overlap so.
+
+    `turn_order` (multi-turn): which waiting sample a free slot takes. "least_progress": a
+    new trajectory first, then the resumed one with the fewest turns (then model tokens)
+    done, so every trajectory of the batch is under way at once and the laggards catch up:
+    the batch ends when its total work does, not one whole trajectory after its last start
+    (a trajectory's turns run one after another, so a trajectory started late is a tail of
+    its own: on the multi-turn bench, "arrival" spent half its decode calls draining).
+    "arrival": resumed samples in the order their observations came, new ones only when none
+    is queued."""
     steps_per_call: int = STEPS_PER_CALL
     reserve_pages: bool = False
     overlap_admission: bool = False
+    turn_order: str = "least_progress"
+
+    def __post_init__(self):
+        if self.turn_order not in TURN_ORDERS:
+            raise ValueError(f"Policy.turn_order={self.turn_order!r}: one of {TURN_ORDERS}")
+
+
+TURN_ORDERS = ("least_progress", "arrival")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -97,16 +97,37 @@ def run(engine: Engine, params, request: Request, *, policy: Policy = Policy(),
 def admit(r: Rollout) -> None:
     """Fills free slots from the waiting samples while the pool holds their first pages
     beside what the live slots need to grow through the next two calls; prefills the prompts
-    new among them and inserts them all."""
+    new among them and inserts them all. Multi-turn: new trajectories and resumed ones in
+    `Policy.turn_order`."""
     e, k = r.engine, r.policy.steps_per_call
     new_prefixes, plans, closed = [], [], []
     t0 = time.perf_counter()
     keep = sum(e.pages_short(s, r.slots[s].cached + 2 * k + 1) for s in r.admitted) \
         if r.grow else 0
-    keep, extensions = turns.admit(r, keep, plans, new_prefixes, closed)
-    # Resumed samples first; new ones too if none of those fits and no slot is live (a
-    # prompt's open prefix holds pages until its last sample is admitted).
-    while r.free and r.waiting() and (not r.turn_queue or not r.admitted):
+    if r.multi and r.policy.turn_order == "least_progress":
+        keep = _admit_new(r, keep, plans, new_prefixes, closed)
+        keep, extensions = turns.admit(r, keep, plans, new_prefixes, closed)
+    else:
+        keep, extensions = turns.admit(r, keep, plans, new_prefixes, closed)
+        # Resumed samples first; new ones too if none of those fits and no slot is live (a
+        # prompt's open prefix holds pages until its last sample is admitted).
+        if not r.turn_queue or not r.admitted:
+            keep = _admit_new(r, keep, plans, new_prefixes, closed)
+    r.st["peak_pages"] = max(r.st["peak_pages"], e.pool.num_used)
+    r.st["host_admit_s"] += time.perf_counter() - t0
+    if new_prefixes or extensions:
+        _prefill(r, new_prefixes, extensions)
+    if plans:
+        r.device = e.run_insert(r.device, plans)
+    for pre in closed:   # only now: its partial page has been copied
+        e.release(pre)
+
+
+def _admit_new(r: Rollout, keep: int, plans: list, new_prefixes: list, closed: list) -> int:
+    """New (and preempted single-turn) samples into free slots while the pool holds their
+    first pages beside `keep`. -> keep, with theirs."""
+    e, k = r.engine, r.policy.steps_per_call
+    while r.free and (r.queue or r.redo):
         p, g, last = _head(r)
         T, sid = len(r.prompts[p]), r.first_id[p] + g
         n = _limit(r, p, sid)
@@ -134,14 +155,7 @@ def admit(r: Rollout) -> None:
                 r.queue.popleft()
         if last and p in r.open_prefix:
             closed.append(r.open_prefix.pop(p))
-    r.st["peak_pages"] = max(r.st["peak_pages"], e.pool.num_used)
-    r.st["host_admit_s"] += time.perf_counter() - t0
-    if new_prefixes or extensions:
-        _prefill(r, new_prefixes, extensions)
-    if plans:
-        r.device = e.run_insert(r.device, plans)
-    for pre in closed:   # only now: its partial page has been copied
-        e.release(pre)
+    return keep
 
 
 def _head(r: Rollout) -> tuple[int, int, bool]:

@@ -8,9 +8,10 @@ between its model turns, over the rollout's host state (`lrl.rollout.state.Rollo
     poll      (each round) the environment steps that finished (`Turns.ready`): an
               observation is appended to its sample's tokens (log-prob 0, model mask 0) and
               the sample queued to resume (`Rollout.turn_queue`); None ends the trajectory
-    admit     (from the scheduler's `admit`, before any new sample) queued samples take free
-              slots: with their pages still held, the slot gets them, grown, and only their
-              last sampled token and the observation are prefilled after them
+    admit     (from the scheduler's `admit`; by `Policy.turn_order`, after new samples and
+              the laggards first, or before new samples in arrival order) queued samples
+              take free slots: with their pages still held, the slot gets them, grown, and
+              only their last sampled token and the observation are prefilled after them
               (`Engine.extend_slot`, `run_extend`: `prefill_chunk` calls of a few bucketed
               lengths, so no program compiles per turn); with their pages released, their
               whole history is prefilled again as a prompt of one sample
@@ -30,6 +31,7 @@ P prompts · G samples per prompt · T prompt tokens.
 """
 from __future__ import annotations
 
+import collections
 import time
 
 import numpy as np
@@ -125,6 +127,9 @@ def admit(r: Rollout, keep: int, plans: list, new_prefixes: list, closed: list):
     to prefill)."""
     e, k = r.engine, r.policy.steps_per_call
     extensions = []
+    if r.policy.turn_order == "least_progress" and len(r.turn_queue) > 1:
+        # the laggards first (stable: a preempted sample, queued first, stays ahead of equals)
+        r.turn_queue = collections.deque(sorted(r.turn_queue, key=_progress))
     while r.free and r.turn_queue:
         rec = r.turn_queue[0]
         p, g = rec.sample
@@ -165,6 +170,11 @@ def admit(r: Rollout, keep: int, plans: list, new_prefixes: list, closed: list):
             keep += e.pages_short(s, min(rec.cached + 2 * k + 1,
                                          len(r.prompts[p]) - 1 + rec.limit))
     return keep, extensions
+
+
+def _progress(rec: Slot) -> tuple[int, int]:
+    """How far a trajectory has come: its turns, then its model tokens."""
+    return rec.turn, rec.sampled - rec.observed
 
 
 def _reclaim(r: Rollout, need: int, rec: Slot) -> bool:
