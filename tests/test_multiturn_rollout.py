@@ -128,7 +128,10 @@ def _check_against_reference(params, prompts, ref, result, script, G, cap=0):
 def test_greedy_multi_turn_equals_a_loop_that_prefills_the_whole_history(setup):
     params, prompts, ref = setup
     script = Script(turns=3)
-    result, stats, engine = _run(params, prompts, script, slots=3)
+    # Pages for every trajectory at once: `Policy.turn_order` starts each as soon as a slot
+    # frees, so more are under way than there are slots (a smaller pool: the test below).
+    room = len(prompts) * 2 * (max(map(len, prompts)) + LIMIT + 8)
+    result, stats, engine = _run(params, prompts, script, slots=3, pool_tokens=room)
     calls = _check_against_reference(params, prompts, ref, result, script, G=2)
     assert stats["turns"] == len(calls) and stats["turns"] > 2 * len(prompts)
     assert stats["observed_tokens"] == sum(
@@ -255,3 +258,32 @@ def test_sampled_turns_draw_the_same_tokens_whether_pages_stay_or_go(setup, monk
                                        atol=2e-5)
     # Two samples of one prompt draw apart.
     assert roomy.samples[0][0][0].tolist() != roomy.samples[0][1][0].tolist()
+
+
+def test_either_turn_order_samples_the_same_trajectories_and_laggards_go_first(setup):
+    """`Policy.turn_order`: which waiting sample a free slot takes changes when a trajectory
+    runs, never what it samples; "least_progress" (new trajectories, then the fewest turns
+    done) ends the batch in no more decode steps than "arrival" (resumed ones as they come),
+    which starts late trajectories only once none is queued to resume."""
+    params, prompts, _ = setup
+    room = len(prompts) * 2 * (max(map(len, prompts)) + LIMIT + 8)
+    out = {}
+    for order in ("least_progress", "arrival"):
+        script = Script(turns=3, delay=lambda p, g, t: 1)
+        request = rollout.Request(prompts, LIMIT, 2, eos_ids=EOS, turns=script,
+                                  turn_end_ids=TURN_END)
+        engine = rollout.engine_for(CFG, request, max_slots=3, pool_tokens=room,
+                                    **_engine_sizes())
+        stats = {}
+        out[order] = (scheduler.run(engine, params, request, stats=stats, policy=rollout.Policy(
+            steps_per_call=SIZES["steps_per_call"], turn_order=order)), stats)
+    (a, sa), (b, sb) = out["least_progress"], out["arrival"]
+    for p in range(len(prompts)):
+        for g in range(2):
+            assert a.samples[p][g][0].tolist() == b.samples[p][g][0].tolist()
+            assert a.model_masks[p][g].tolist() == b.model_masks[p][g].tolist()
+    assert sa["decode_steps"] <= sb["decode_steps"]
+    print(f"\ndecode steps: least_progress {sa['decode_steps']}, arrival {sb['decode_steps']}; "
+          f"occupancy {sa['slot_occupancy']:.2f} vs {sb['slot_occupancy']:.2f}")
+    with pytest.raises(ValueError, match="turn_order"):
+        rollout.Policy(turn_order="fifo")

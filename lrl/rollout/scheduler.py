@@ -105,7 +105,10 @@ def admit(r: Rollout) -> None:
     keep = sum(e.pages_short(s, r.slots[s].cached + 2 * k + 1) for s in r.admitted) \
         if r.grow else 0
     if r.multi and r.policy.turn_order == "least_progress":
-        keep = _admit_new(r, keep, plans, new_prefixes, closed)
+        # New samples from the pages the queued ones leave (none is released for them).
+        queued = turns.queued_pages(r)
+        keep = _admit_new(r, keep + queued, plans, new_prefixes, closed,
+                          whole=bool(r.paused or r.turn_queue)) - queued
         keep, extensions = turns.admit(r, keep, plans, new_prefixes, closed)
     else:
         keep, extensions = turns.admit(r, keep, plans, new_prefixes, closed)
@@ -123,9 +126,12 @@ def admit(r: Rollout) -> None:
         e.release(pre)
 
 
-def _admit_new(r: Rollout, keep: int, plans: list, new_prefixes: list, closed: list) -> int:
+def _admit_new(r: Rollout, keep: int, plans: list, new_prefixes: list, closed: list,
+               whole: bool = False) -> int:
     """New (and preempted single-turn) samples into free slots while the pool holds their
-    first pages beside `keep`. -> keep, with theirs."""
+    first pages beside `keep` (`whole`: every page each may write, so that a trajectory
+    started while others wait on their tools never takes the pages those keep). -> keep,
+    with theirs."""
     e, k = r.engine, r.policy.steps_per_call
     while r.free and (r.queue or r.redo):
         p, g, last = _head(r)
@@ -133,10 +139,11 @@ def _admit_new(r: Rollout, keep: int, plans: list, new_prefixes: list, closed: l
         n = _limit(r, p, sid)
         first = min(k, n) if r.grow else None
         kept = None if r.redo else r.resume.get(p)
+        ask = n if first is None or whole else first
         if kept is not None:
-            need = e.resume_pages(kept, n if first is None else first)
+            need = e.resume_pages(kept, ask)
         else:
-            need = e.sample_pages(T, n if first is None else first)
+            need = e.sample_pages(T, ask)
             if p not in r.open_prefix:
                 need += e.prefix_pages(T)
         if e.pool.num_free - keep < need:

@@ -125,7 +125,7 @@ def admit(r: Rollout, keep: int, plans: list, new_prefixes: list, closed: list):
     other waiting samples' pages when short. Plans go to `plans`; the prefixes of samples
     prefilled again to `new_prefixes` and `closed`. -> (keep, with theirs; the `Extension`s
     to prefill)."""
-    e, k = r.engine, r.policy.steps_per_call
+    e = r.engine
     extensions = []
     if r.policy.turn_order == "least_progress" and len(r.turn_queue) > 1:
         # the laggards first (stable: a preempted sample, queued first, stays ahead of equals)
@@ -133,12 +133,7 @@ def admit(r: Rollout, keep: int, plans: list, new_prefixes: list, closed: list):
     while r.free and r.turn_queue:
         rec = r.turn_queue[0]
         p, g = rec.sample
-        left = turn_left(rec)
-        first = min(k, left) if r.grow else left
-        history = np.concatenate([r.prompts[p], rec.history()])
-        held = rec.kept is not None and rec.pending is not None and e.holds(rec.kept)
-        need = (e.extend_pages(rec.kept, rec.pending.size, first) if held else
-                e.sample_pages(history.size, first) + e.prefix_pages(history.size))
+        left, first, history, held, need = _resume_need(r, rec)
         if e.pool.num_free - keep < need:
             if _reclaim(r, keep + need, rec):
                 continue   # its own pages may have gone: its need is counted anew
@@ -167,9 +162,28 @@ def admit(r: Rollout, keep: int, plans: list, new_prefixes: list, closed: list):
         r.admitted.append(s)
         plans.append(plan)
         if r.grow:
-            keep += e.pages_short(s, min(rec.cached + 2 * k + 1,
+            keep += e.pages_short(s, min(rec.cached + 2 * r.policy.steps_per_call + 1,
                                          len(r.prompts[p]) - 1 + rec.limit))
     return keep, extensions
+
+
+def _resume_need(r: Rollout, rec: Slot):
+    """-> (tokens its turn may sample, the first call's share of them, its whole history,
+    whether its pages are still held, the pages it needs to take a slot)."""
+    e = r.engine
+    left = turn_left(rec)
+    first = min(r.policy.steps_per_call, left) if r.grow else left
+    history = np.concatenate([r.prompts[rec.sample[0]], rec.history()])
+    held = rec.kept is not None and rec.pending is not None and e.holds(rec.kept)
+    need = (e.extend_pages(rec.kept, rec.pending.size, first) if held else
+            e.sample_pages(history.size, first) + e.prefix_pages(history.size))
+    return left, first, history, held, need
+
+
+def queued_pages(r: Rollout) -> int:
+    """Pages the samples queued to resume need to take a slot: what a new sample admitted
+    ahead of them must leave free, so that it never costs one of them its kept pages."""
+    return sum(_resume_need(r, rec)[4] for rec in r.turn_queue)
 
 
 def _progress(rec: Slot) -> tuple[int, int]:
