@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Optional
 import jax
 
 from lrl import checkpoint as ckpt_lib
-from lrl import compile_cache, compiles, concurrently, errors, grpo as grpo_lib, ppo as ppo_lib, step_setup
+from lrl import compile_cache, compiles, errors, grpo as grpo_lib, ppo as ppo_lib, step_setup
 from lrl import mesh as mesh_lib
 from lrl import options as options_lib
 from lrl import pipeline as pipeline_lib
@@ -214,8 +214,6 @@ def grpo(r: Run, state, tx, pool, critic_state=None, ppo_saved: Optional[dict] =
     least = 0
     t0, counted = time.time(), compiles.snapshot()   # the search's cost, for the note below
     if memory is not None:
-        if not found:   # the search's first shapes and the smallest, compiled together
-            need.prefetch(_first_shapes(r, sizes))
         least = found["least"] if found else need(*budget_lib.smallest_shape(**sizes))
     if r.rollout_mesh is None:
         engine, decode = _engine(r, state.params, mesh, reserve=least)
@@ -303,12 +301,12 @@ def _critic_spec(spec: dict) -> dict:
 def _need_fn(task, rl_, mesh, update, state, p, sizes: dict, shards: int, kl: bool):
     """(rows_per_shard, row_len) -> the bytes one micro-batch of that shape needs on a device
     beyond what is live (the update's, and PPO's critic's on the same rows), each shape
-    compiled once whoever asks; `budget_lib.NO_FIT` where its compile ran out of memory.
-    `.prefetch(shapes)` compiles the shapes not known yet at once (`concurrently`)."""
+    compiled once whoever asks; `budget_lib.NO_FIT` where its compile ran out of memory."""
     def spec(rows_per_shard, row_len):
         return grpo_lib.micro_batch_spec(rl_, task, mesh, shards * rows_per_shard, row_len, kl)
 
-    def apply_need():   # the same accumulator for every shape: compiled once
+    @functools.lru_cache(maxsize=None)   # compiled once: the same accumulator for every shape
+    def apply_need():
         least = spec(*budget_lib.smallest_shape(**sizes))
         need_ = update_lib.apply_bytes(update, state, least, task.extra_spec())
         if p is not None and p.critic is not None:
@@ -316,7 +314,8 @@ def _need_fn(task, rl_, mesh, update, state, p, sizes: dict, shards: int, kl: bo
                                                       task.extra_spec()))
         return need_
 
-    def accumulate_need(rows_per_shard, row_len):
+    @functools.lru_cache(maxsize=None)   # each shape compiled once, whoever asks
+    def need(rows_per_shard, row_len):
         # The accumulator lives through both programs; the optimizer step may need more.
         try:
             acc_need = update_lib.need_bytes(update, state.params,
@@ -333,32 +332,9 @@ def _need_fn(task, rl_, mesh, update, state, p, sizes: dict, shards: int, kl: bo
             log.info("update micro-batch %d x %d: its compile ran out of memory (%s): does "
                      "not fit", rows_per_shard, row_len, str(e).splitlines()[0][:160])
             return budget_lib.NO_FIT
-        return acc_need
+        return max(acc_need, apply_need())
 
-    known = concurrently.Memo()
-
-    def need(rows_per_shard, row_len):
-        acc = known.get(("accumulate", rows_per_shard, row_len),
-                        lambda: accumulate_need(rows_per_shard, row_len))
-        return acc if acc >= budget_lib.NO_FIT else max(acc, known.get("apply", apply_need))
-
-    def prefetch(shapes):
-        jobs = {("accumulate", *s): functools.partial(accumulate_need, *s) for s in shapes}
-        known.fill({"apply": apply_need, **jobs})
-
-    need.prefetch = prefetch
     return need
-
-
-def _first_shapes(r: Run, sizes: dict) -> list[tuple[int, int]]:
-    """The smallest micro-batch and the budget search's first candidates whose logits alone
-    fit what is free now (the engine's pool not yet taken: the search bounds them again)."""
-    limit, in_use = budget_lib.device_memory(jax.local_devices()[0])
-    free = int(budget_lib.USABLE * limit) - in_use
-    floor = budget_lib.logits_floor(r.task.model_cfg.vocab_size, r.mesh.shape["seq"],
-                                    r.mesh.shape["tensor"])
-    shapes = [budget_lib.smallest_shape(**sizes)] + budget_lib.first_candidates(**sizes)
-    return list(dict.fromkeys(s for s in shapes if s == shapes[0] or floor(*s) <= free))
 
 
 def _token_budget(r: Run, sizes: dict, need, memory, key: Optional[str],

@@ -234,11 +234,8 @@ def warm_up(s: Setup, live: Live, params, batches: list[Minibatch]) -> None:
     from lrl.rl.update import compile_shapes
     cut = _cut(s)
     seen = {mb["tokens"].shape for b in batches for mb in b.micro}
-    # The step's own new shapes too: all compile at once (`update.compile_shapes`), where the
-    # step would compile its own one after another (26 s of 4 at 1.5B, H100).
-    ahead = list(dict.fromkeys(
-        [(cut.shards * k, n) for k, n in cut.shapes()] + sorted(seen)))
-    ahead = [x for x in ahead if x not in live.warmed]
+    ahead = [(cut.shards * k, n) for k, n in cut.shapes()
+             if (cut.shards * k, n) not in live.warmed | seen]
     live.warmed.update(seen, ahead)
     if not ahead or not batches:
         return

@@ -108,18 +108,6 @@ def smallest_shape(*, row_len: int, max_tokens: int, longest: Optional[int], uni
     return 1, _round_up(max(longest or 1, row_floor), math.lcm(unit, align))
 
 
-def first_candidates(*, row_len: int, max_tokens: int, longest: Optional[int], unit: int,
-                     align: int = 128, row_floor: int = ROW_FLOOR) -> list[tuple[int, int]]:
-    """The shapes `resolve`'s search compiles before any comparison with what is free: one
-    and two rows of its row length (none when the config sets the budget), so a caller may
-    compile them together, ahead of the search."""
-    if max_tokens:
-        return []
-    _, n = smallest_shape(row_len=row_len, max_tokens=0, longest=longest, unit=unit,
-                          align=align, row_floor=row_floor)
-    return [(1, n), (2, n)]
-
-
 # What a shape "needs" when compiling it ran out of memory: more than any device has.
 NO_FIT = 1 << 62
 
@@ -181,11 +169,8 @@ def resolve(*, row_len: int, max_tokens: int, longest: Optional[int], unit: int,
                      "(%d rows need %.1f GiB at the least, %.1f GiB are free)", top, row_len,
                      top + 1, floor_bytes(top + 1, row_len) / 2**30, available / 2**30)
         max_rows = top
-    fetch = getattr(need_bytes, "prefetch", None)
     return _fit(lambda k: need_bytes(k, row_len), 1, 1, available,
-                lambda k: Budget(row_len, k, True), longest, max_scale=max_rows,
-                prefetch=(lambda ks: fetch([(k, row_len) for k in ks])) if fetch else
-                (lambda ks: None))
+                lambda k: Budget(row_len, k, True), longest, max_scale=max_rows)
 
 
 def logits_floor(vocab: int, seq: int = 1, tensor: int = 1) -> Callable[[int, int], int]:
@@ -200,18 +185,13 @@ def logits_floor(vocab: int, seq: int = 1, tensor: int = 1) -> Callable[[int, in
 
 
 def _fit(need: Callable[[int], int], base: int, step: int, available: int,
-         make: Callable[[int], Budget], longest, max_scale: int, tries: int = 4,
-         prefetch: Callable[[list], None] = lambda sizes: None) -> Budget:
+         make: Callable[[int], Budget], longest, max_scale: int, tries: int = 4) -> Budget:
     """The largest size (a multiple of `step`, from `base` up to `max_scale` x `base`) whose
     measured need fits `available`: a line through the needs at base and 2 x base gives the
     first guess (attention whose memory grows faster than its tokens, the XLA path's, makes
-    the line optimistic), measured with its two neighbours at once (`prefetch(sizes)`
-    compiles sizes together: the line is seldom off by more than one, so that settles it),
-    then bisection between the largest size seen to fit and the smallest seen not to,
-    `tries` compiles at most."""
+    the line optimistic), then bisection between the largest size seen to fit and the
+    smallest seen not to, `tries` compiles at most."""
     n1, n2 = base, 2 * base
-    top = max_scale * base
-    prefetch([n1] + ([n2] if top >= n2 else []))
     seen = {n1: need(n1)}
     if seen[n1] > available:
         raise ValueError(
@@ -220,6 +200,7 @@ def _fit(need: Callable[[int], int], base: int, step: int, available: int,
             f"{longest} tokens) and the device has {available / 2**30:.1f} GiB left; lower "
             "rl.max_new_tokens / data.max_prompt_len, use more devices (fsdp, seq) or a "
             "remat policy that keeps less")
+    top = max_scale * base
     if top >= n2:
         seen[n2] = need(n2)
         slope = max((seen[n2] - seen[n1]) / (n2 - n1), 1.0)
@@ -230,12 +211,6 @@ def _fit(need: Callable[[int], int], base: int, step: int, available: int,
     for n, b in seen.items():
         lo, hi = (max(lo, n), hi) if b <= available else (lo, min(hi, n))
     n = min(max(guess // step * step, lo), hi - step)
-    around = [m for m in (n - step, n, n + step) if lo < m < hi and m not in seen]
-    prefetch(around)
-    for m in around:
-        seen[m] = need(m)
-        lo, hi = (max(lo, m), hi) if seen[m] <= available else (lo, min(hi, m))
-    n = (lo + hi) // 2 // step * step
     for _ in range(tries):
         if n <= lo or n >= hi:
             break

@@ -285,26 +285,11 @@ def run_update(u: UpdatePrograms, state: TrainState, micro_batches, denoms, extr
 
 def compile_shapes(u: UpdatePrograms, params, micro_batches, denoms, extra=None) -> None:
     """Runs `accumulate` on each of `micro_batches` into an accumulator then dropped: their
-    shapes compile (ahead of a step that needs them) and no optimizer step is taken. The
-    shapes compile first, all at once (`lrl.concurrently`), lowered from the very arguments
-    the calls then take, so each call finds its program compiled; they run one at a time."""
-    from lrl import concurrently
+    shapes compile (ahead of a step that needs them) and no optimizer step is taken."""
     for mb in micro_batches:
         _check_batch(mb, 1, optional=OPTIONAL_KEYS + u.extra_keys)
-    if not micro_batches:
-        return
-    # One accumulator to lower them all (its shape is the params', whatever the rows): one
-    # live at a time, as in a step.
-    acc = u.programs.start(params, micro_batches[0], denoms, extra)
-    concurrently.run([functools.partial(_compile_accumulate, u, params, acc, mb, denoms, extra)
-                      for mb in micro_batches])
-    for i, mb in enumerate(micro_batches):
-        acc = acc if i == 0 else u.programs.start(params, mb, denoms, extra)
-        u.programs.accumulate(params, acc, mb, denoms, extra)
-
-
-def _compile_accumulate(u: UpdatePrograms, params, acc, mb, denoms, extra) -> None:
-    u.programs.accumulate.lower(params, acc, mb, denoms, extra).compile()
+        u.programs.accumulate(params, u.programs.start(params, mb, denoms, extra), mb, denoms,
+                              extra)
 
 
 def need_bytes(u: UpdatePrograms, params, mb_spec: dict, extra_spec=None) -> int:
