@@ -168,6 +168,10 @@ def main():
         cases, a.T, a.M, a.repeats = ["tiny:bf16", "tiny:fp32", "tiny:offload"], 64, 2, 2
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    # pinned host memory past jax's 64 GB default, as `python -m lrl.main` allows (7B's fp32
+    # masters and moments are ~91 GB)
+    env.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(max(
+        64, int(0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30))))
     t_start, results = time.time(), []
     for case in cases:
         left = a.budget_s - (time.time() - t_start)

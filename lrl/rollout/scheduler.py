@@ -32,10 +32,11 @@ or the turn's cap), the sample leaves its decode row (the device slot deactivate
 free for another sample) but keeps its KV pages (`Engine.keep`), and its environment step
 starts (`Turns.turn_ended`). Each round `run` polls the finished steps (`turns.poll`,
 blocking only when no slot is live and none can be admitted); an observation sends the
-sample back in, ahead of new samples: its last token and the observation are prefilled after
-its pages into whichever slot it gets (`Engine.extend_slot` / `run_extend`: no re-prefill of
-its history), and it decodes on. Memory rule: a waiting sample's pages stay in the pool until
-live work runs short: growing live slots, or resuming another waiting sample, releases
+sample back in (new trajectories and the laggards first, `Policy.turn_order`): its last
+token and the observation are prefilled after its pages into whichever slot it gets
+(`Engine.extend_slot` / `run_extend`: no re-prefill of its history), and it decodes on.
+Memory rule: a waiting sample's pages stay in the pool until live work runs short: growing
+live slots, or resuming another waiting sample, releases
 waiting samples' pages (the most recently paused first) before any live sample is preempted;
 new samples are admitted from free pages only. A sample whose pages went is prefilled again,
 its whole history (prompt, tokens, observation), when it resumes; so is a preempted one
