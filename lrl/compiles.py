@@ -64,6 +64,13 @@ def seconds_since(before: collections.Counter) -> dict:
     return {k: v - before.get(k, 0.0) for k, v in now.items() if v > before.get(k, 0.0)}
 
 
+def top(spent: dict, n: int = 6) -> dict:
+    """{"compile_s/<name>": seconds} of the `n` costliest programs in `spent`: metrics a
+    run's first step records (metrics.jsonl), the console left quiet."""
+    worst = sorted(spent.items(), key=lambda kv: -kv[1])[:n]
+    return {f"compile_s/{k.removeprefix('jit(').removesuffix(')')}": v for k, v in worst}
+
+
 def describe(spent: dict, counts: dict, top: int = 6) -> str:
     """`name x count s, ...`, the costliest first: where a start's compile time went."""
     worst = sorted(spent.items(), key=lambda kv: -kv[1])[:top]

@@ -323,9 +323,10 @@ def _check_partial(o: Options) -> None:
 
 
 def _check_env(o: Options) -> None:
-    """What multi-turn rollouts (`rollout.env`) do not run with yet: the video task, PPO's
-    token-level advantages (observation tokens would need values and rewards placed), the
-    one-step-off pipeline and a reward model (the driver's reward is the trajectory's).
+    """What multi-turn rollouts (`rollout.env`) do not run with yet: the video task, the
+    one-step-off pipeline and a reward model (the driver's reward is the trajectory's). PPO's
+    GAE runs on them: the rows' loss mask is the model mask, and GAE's masked recurrence
+    steps over the observations (`lrl.rl.gae`), as verl's multi-turn GAE does.
     Partial rollouts carry trajectories across steps (`lrl.partial_turns`), without kept KV
     pages (`rollout.partial_keep_kv` does not apply)."""
     ro = o.rollout
@@ -335,8 +336,7 @@ def _check_env(o: Options) -> None:
     get(ro.env, "rollout.env")   # a registered name or "pkg.module:Factory"
     if o.task != "text":
         raise ValueError(f"rollout.env={ro.env!r} runs on the text task only, not task={o.task!r}")
-    for bad, why in ((o.rl.uses_critic, f"rl.estimator={o.rl.estimator!r} (PPO's GAE)"),
-                     (o.pipeline.rollout_devices, "pipeline.rollout_devices > 0"),
+    for bad, why in ((o.pipeline.rollout_devices, "pipeline.rollout_devices > 0"),
                      (o.reward.model.hf_path, "reward.model.hf_path")):
         if bad:
             raise ValueError(f"rollout.env={ro.env!r} is not built with {why}: multi-turn "

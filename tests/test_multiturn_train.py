@@ -228,6 +228,57 @@ def test_rows_hold_the_trajectory_tokens_and_the_loss_mask_is_the_model_mask(sha
         assert rows["loss_mask"][b][on].sum() == m.sum()
 
 
+def test_gae_over_a_trajectory_skips_its_observations():
+    """PPO on multi-turn rows (`rl.estimator="gae"` with `rollout.env`): the packed rows' loss
+    mask (the model mask) is GAE's response mask, so each trajectory's advantages and returns
+    on its model tokens are what GAE gives the model tokens alone, the observations taken out
+    (verl's multi-turn GAE), and 0 on the observations; the outcome reward sits on the last
+    model token."""
+    import importlib
+    gae = importlib.import_module("lrl.rl.gae")   # lrl.rl's `gae` is the padded function
+    s = _setup()
+    g = _groups()
+    rows, _, _ = grpo.pack(s, g, np.array([[1.0, -1.0]], np.float32), np.ones(2), np.arange(2))
+    seg, mask = rows["segment_ids"], rows["loss_mask"]
+    rng = np.random.RandomState(1)
+    values = rng.randn(*mask.shape).astype(np.float32)
+    scores = np.zeros(mask.shape, np.float32)
+    ends = {}
+    for i, c in enumerate(g.completions):
+        b, k = next((b, k) for b in range(seg.shape[0]) for k in range(1, seg[b].max() + 1)
+                    if np.array_equal(rows["tokens"][b][seg[b] == k][-c.size:], c))
+        scores[b][seg[b] == k] = g.rewards_PG[0, i]
+        ends[i] = (b, k)
+    gamma, lam = 0.9, 0.8
+    rewards = gae.outcome_token_rewards(scores, mask, seg)
+    adv, ret = (np.asarray(x) for x in gae.gae_packed(rewards, values, mask, seg, gamma, lam))
+    for i, m in enumerate(MASKS):
+        b, k = ends[i]
+        on = (seg[b] == k) & (mask[b] > 0)
+        assert on.sum() == m.sum()
+        # the same sequence with its observations (and prompt) taken out: plain GAE
+        v = values[b][on]
+        r = np.zeros(v.size, np.float32)
+        r[-1] = g.rewards_PG[0, i]
+        want, last = np.zeros(v.size), 0.0
+        for t in reversed(range(v.size)):
+            nxt = v[t + 1] if t + 1 < v.size else 0.0
+            last = r[t] + gamma * nxt - v[t] + gamma * lam * last
+            want[t] = last
+        np.testing.assert_allclose(adv[b][on], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(ret[b][on], want + v, rtol=1e-5, atol=1e-5)
+        off = (seg[b] == k) & (mask[b] == 0)
+        assert off.any() and not adv[b][off].any()
+    o = options.from_config(_tools_config(estimator="gae"), check_files=False)
+    assert o.rl.uses_critic and o.rollout.env == "tools"
+
+
+def _tools_config(**rl_kw):
+    c = config_util.load(os.path.join(ROOT, "configs", "default.py"), "tools")
+    c.rl.update(**rl_kw)
+    return c
+
+
 def test_observation_tokens_get_no_gradient_and_no_share_in_the_update():
     """The same update whatever the sampler's log-probs of the observation tokens (the
     scheduler gives 0.0; any other value changes nothing), the mismatch metrics over the

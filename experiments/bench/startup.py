@@ -84,8 +84,10 @@ def run_one(name: str, out: str, steps: int, extra: dict, smoke: bool, timeout: 
     return dict(name=name, rc=rc, wall=wall, rows=rows, workdir=workdir,
                 cpp_lines=sum(bool(CPP_LINE.match(x)) for x in console),
                 # where the start's time went: the budget search's note, step 1's compiles
-                profile=[x.strip() for x in console
-                         if "update micro-batch:" in x or "compiled or loaded" in x],
+                profile=[x.strip() for x in console if "update micro-batch:" in x] + (
+                    ["step 1's costliest compiles: " + ", ".join(
+                        f"{k.split('/', 1)[1]} {v:.1f} s" for k, v in rows[0].items()
+                        if k.startswith("compile_s/"))] if rows else []),
                 tail=console[-5:] if rc else [])
 
 
