@@ -307,6 +307,33 @@ def test_a_shape_whose_compile_runs_out_of_memory_does_not_fit():
     assert 2 <= flat.rows_per_shard < 8 and flat.need_bytes < 10**6
 
 
+def test_the_search_compiles_few_shapes_a_right_line_three():
+    """Each shape the search compiles costs seconds of a first start (~6.5 s for a 1.5B
+    update on an H200): a need that grows linearly is found with the line through 1 and 2
+    rows and one compile that checks it, where bisecting toward the top compiled four more
+    shapes that all failed; a need that grows faster ends within an eighth of the largest
+    that fits."""
+    GiB = 2**30
+
+    def search(f, available):
+        tried = []
+        got = budget_lib.resolve(row_len=256, max_tokens=0, longest=200, unit=1,
+                                 need_bytes=lambda rows, T: tried.append(rows) or f(rows),
+                                 available=available)
+        best = max(k for k in range(1, 65) if f(k) <= available)
+        return got.rows_per_shard, best, tried
+
+    assert search(lambda k: 20 * GiB + 3 * GiB * k, 120 * GiB) == (33, 33, [1, 2, 33])
+    assert search(lambda k: 60 * GiB + 9 * GiB * k, 100 * GiB) == (4, 4, [1, 2, 4])
+    got, best, tried = search(lambda k: 40 * GiB + 4 * GiB * k + 0.3 * GiB * k * k, 110 * GiB)
+    assert best * 7 / 8 <= got <= best and len(tried) <= 6 and len(set(tried)) == len(tried)
+    # Less than an eighth more is not worth a compile; a concave need (XLA reusing buffers)
+    # is followed up past the line's first guess.
+    got, best, tried = search(lambda k: 20 * GiB + 6 * GiB * min(k, 3) + 2 * GiB * max(k - 3, 0),
+                              100 * GiB)
+    assert got == best == 34 and len(tried) <= 6
+
+
 def test_long_rows_hold_fewer_runs_on_cudnns_packed_attention():
     """cuDNN's packed backward takes E x T x N x H x 8 bytes whatever the runs hold
     (docs/benchmark-history.md, "Seventeenth session": 55.6 GiB at E = 64 for a 32K-token row of 7B

@@ -4,7 +4,7 @@ start-up from device memory, by asking the compiler what the update's accumulate
 needs at two sizes and fitting a line through them (the activations the remat policy keeps,
 the logits chunk and the attention workspace all grow with the micro-batch's tokens; the
 parameters, optimizer state and gradient accumulator do not), then checking the chosen size
-by compiling it too.
+by compiling it too (`_fit`: a line that was right costs three compiles).
 
 A micro-batch is `rows_per_shard` packed rows of `row_len` tokens on each data shard (a row
 spans the shard's `seq` devices). With `rl.row_len=0` and a budget to derive, a row holds the
@@ -185,12 +185,21 @@ def logits_floor(vocab: int, seq: int = 1, tensor: int = 1) -> Callable[[int, in
 
 
 def _fit(need: Callable[[int], int], base: int, step: int, available: int,
-         make: Callable[[int], Budget], longest, max_scale: int, tries: int = 4) -> Budget:
+         make: Callable[[int], Budget], longest, max_scale: int, tries: int = 4,
+         gain: float = 1 / 8) -> Budget:
     """The largest size (a multiple of `step`, from `base` up to `max_scale` x `base`) whose
-    measured need fits `available`: a line through the needs at base and 2 x base gives the
-    first guess (attention whose memory grows faster than its tokens, the XLA path's, makes
-    the line optimistic), then bisection between the largest size seen to fit and the
-    smallest seen not to, `tries` compiles at most."""
+    measured need fits `available`, in few compiles (each ~4-7 s for a 1.5B model's update on
+    a GPU, most of a first start). The need grows about linearly with the micro-batch's
+    tokens (remat's activations, the logits chunk, cuDNN's attention workspace; XLA's own
+    attention grows faster, which makes a line optimistic), so each next size is where the
+    line through two measured needs meets `available`: first the line through `base` and
+    2 x `base`, then through the largest size seen to fit and the smallest seen not to
+    (or, while none failed, the two largest that fit). The search stops when that line
+    points nowhere new or promises less than `gain` more than the size that fits: a line
+    that was right costs one compile beyond its two points, where bisecting up to the top
+    cost four more that all failed. A size whose compile ran out of memory (`NO_FIT`) gives
+    no line to draw: the next size halves the gap. `tries` compiles at most after the
+    first two."""
     n1, n2 = base, 2 * base
     seen = {n1: need(n1)}
     if seen[n1] > available:
@@ -203,18 +212,25 @@ def _fit(need: Callable[[int], int], base: int, step: int, available: int,
     top = max_scale * base
     if top >= n2:
         seen[n2] = need(n2)
-        slope = max((seen[n2] - seen[n1]) / (n2 - n1), 1.0)
-        guess = int((available - seen[n1]) / slope) + n1
-    else:
-        guess = top
-    lo, hi = n1, top + step
-    for n, b in seen.items():
-        lo, hi = (max(lo, n), hi) if b <= available else (lo, min(hi, n))
-    n = min(max(guess // step * step, lo), hi - step)
-    for _ in range(tries):
-        if n <= lo or n >= hi:
+    for i in range(tries + 1):
+        fits = sorted(n for n, b in seen.items() if b <= available)
+        fails = sorted(n for n, b in seen.items() if b > available)
+        lo, hi = fits[-1], (fails[0] if fails else top + step)
+        if hi - lo <= step:
+            break
+        # The line through lo and the smallest size that failed, or (none failed, or its
+        # compile ran out of memory, which measured nothing) the two largest that fit.
+        unmeasured = bool(fails) and seen[hi] >= NO_FIT
+        a = hi if fails and not unmeasured else fits[-2] if len(fits) > 1 else None
+        n = hi
+        if a is not None:
+            slope = max((seen[a] - seen[lo]) / (a - lo), 1e-9)
+            n = int(lo + (available - seen[lo]) / slope) // step * step
+        if unmeasured:   # at most halfway to a size the compiler could not hold
+            n = min(n, (lo + hi) // 2 // step * step)
+        n = min(n, hi - step)
+        if n - lo < max(step, gain * lo) or n in seen or i == tries:
             break
         seen[n] = need(n)
-        lo, hi = (n, hi) if seen[n] <= available else (lo, n)
-        n = (lo + hi) // 2 // step * step
+    lo = max(n for n, b in seen.items() if b <= available)
     return dataclasses.replace(make(lo), need_bytes=seen[lo], limit_bytes=available)
