@@ -140,10 +140,15 @@ def reward_pool(opts: options_lib.Options, mesh=None):
                           fail_frac=r.fail_frac, fail_patience=r.fail_patience)
     from lrl.rewards import model as rm_lib
     rules, weight = rm_lib.split_spec(r.spec)
-    pool = RewardPool(rules, num_workers=r.num_workers, timeout_s=r.timeout_s,
-                      fail_frac=r.fail_frac, fail_patience=r.fail_patience) if rules else None
+    kw = dict(num_workers=r.num_workers, timeout_s=r.timeout_s, fail_frac=r.fail_frac,
+              fail_patience=r.fail_patience)
+    pool = RewardPool(rules, **kw) if rules else None
+    # A multi-turn rollout's environment steps run in worker processes with timeouts even
+    # when no rule term scores anything: a pool of their own (its `rm` term never asked).
+    workers = (RewardPool(rm_lib.MODEL_TERM, **kw) if pool is None and opts.rollout.env
+               else None)
     rm = rm_lib.load(r.model, mesh, attention=opts.model.attention)
-    return rm_lib.ModelRewardPool(pool, rm, weight)
+    return rm_lib.ModelRewardPool(pool, rm, weight, workers=workers)
 
 
 def loss_config(opts: options_lib.Options):

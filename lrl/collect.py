@@ -99,14 +99,24 @@ def rollout_groups(s: Setup, params, prompts: list[Prompt], *, group_size: int, 
 def score(groups: Groups, pool, tokenizer) -> tuple[Groups, dict]:
     """Rewards [P, G] from the host reward functions; failures score 0 and are counted.
     Multi-turn trajectories were scored by their environments (`lrl.trajectories`): their
-    rewards are those, their texts their model tokens'."""
+    rewards are those, plus a reward model's weighted score of the whole conversation when
+    the spec has an `rm` term; their texts are their model tokens'."""
     G = groups.group_size
     if groups.trajectories:
         texts = tuple(tokenizer.decode(c[np.asarray(m) > 0], skip_special_tokens=True)
                       for c, m in zip(groups.completions, groups.masks))
-        rewards_PG = np.asarray([t["env_reward"] for t in groups.trajectories],
-                                np.float32).reshape(groups.P, G)
-        return dataclasses.replace(groups, texts=texts, rewards_PG=rewards_PG), {}
+        rewards = np.asarray([t["env_reward"] for t in groups.trajectories], np.float32)
+        stats = {}
+        if hasattr(pool, "score_trajectories"):
+            from lrl import trajectories
+            from lrl.rewards.model import MESSAGES_KEY
+            chats = [trajectories.conversation(tokenizer, c, m, t.get("observations", ()))
+                     for c, m, t in zip(groups.completions, groups.masks, groups.trajectories)]
+            messages = [groups.prompts[i // G].meta[MESSAGES_KEY] for i in range(len(chats))]
+            rm, stats = pool.score_trajectories(messages, chats)
+            rewards = rewards + rm
+        return (dataclasses.replace(groups, texts=texts, rewards_PG=rewards.reshape(groups.P, G)),
+                {f"reward/{k}": v for k, v in stats.items()})
     texts = tuple(tokenizer.decode(c, skip_special_tokens=True) for c in groups.completions)
     items = [(text, str(groups.prompts[i // G].answer), groups.prompts[i // G].meta)
              for i, text in enumerate(texts)]

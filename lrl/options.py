@@ -323,10 +323,12 @@ def _check_partial(o: Options) -> None:
 
 
 def _check_env(o: Options) -> None:
-    """What multi-turn rollouts (`rollout.env`) do not run with yet: the video task, the
-    one-step-off pipeline and a reward model (the driver's reward is the trajectory's). PPO's
-    GAE runs on them: the rows' loss mask is the model mask, and GAE's masked recurrence
-    steps over the observations (`lrl.rl.gae`), as verl's multi-turn GAE does.
+    """What multi-turn rollouts (`rollout.env`) do not run with yet: the video task and the
+    one-step-off pipeline. PPO's GAE runs on them: the rows' loss mask is the model mask, and
+    GAE's masked recurrence steps over the observations (`lrl.rl.gae`), as verl's multi-turn
+    GAE does. A reward model scores the whole conversation, the environment's turns rendered
+    as its messages (`lrl.trajectories.conversation`), weighted beside the environment's
+    reward.
     Partial rollouts carry trajectories across steps (`lrl.partial_turns`), without kept KV
     pages (`rollout.partial_keep_kv` does not apply)."""
     ro = o.rollout
@@ -336,11 +338,10 @@ def _check_env(o: Options) -> None:
     get(ro.env, "rollout.env")   # a registered name or "pkg.module:Factory"
     if o.task != "text":
         raise ValueError(f"rollout.env={ro.env!r} runs on the text task only, not task={o.task!r}")
-    for bad, why in ((o.pipeline.rollout_devices, "pipeline.rollout_devices > 0"),
-                     (o.reward.model.hf_path, "reward.model.hf_path")):
-        if bad:
-            raise ValueError(f"rollout.env={ro.env!r} is not built with {why}: multi-turn "
-                             "rollouts train GRPO-family estimators on synchronous steps")
+    if o.pipeline.rollout_devices:
+        raise ValueError(f"rollout.env={ro.env!r} is not built with pipeline.rollout_devices "
+                         "> 0: multi-turn rollouts run on the training mesh, in synchronous or "
+                         "partial steps")
     if ro.max_turn_tokens > o.rl.max_new_tokens:
         raise ValueError(f"rollout.max_turn_tokens={ro.max_turn_tokens} > rl.max_new_tokens="
                          f"{o.rl.max_new_tokens} (the whole trajectory's cap)")

@@ -59,9 +59,11 @@ def make_driver(s, prompts, group_size: int):
     from lrl.envs.driver import Driver
     ro = s.rollout
     terms = None if s.pool is None else [(t.name, t.weight, dict(t.kwargs))
-                                         for t in s.pool.terms]
+                                         for t in s.pool.terms] or None
+    # With a reward model the rule terms' pool, or the one kept for the steps (`workers`).
+    pool = getattr(s.pool, "workers", s.pool)
     return Driver(ro.env, driver_rows(prompts, terms), s.tokenizer, max_turns=ro.max_turns,
-                  pool=s.pool, timeout_s=ro.tool_timeout_s, group_size=group_size,
+                  pool=pool, timeout_s=ro.tool_timeout_s, group_size=group_size,
                   discount=ro.turn_discount if ro.turn_reward == "discount" else 1.0)
 
 
@@ -122,7 +124,9 @@ def record(ro, t, end: str, mask: np.ndarray) -> dict:
     rec = {"end": end if t is None else (t.end if end != "length" else "length"),
            "env_reward": 0.0 if t is None else trajectory_reward(
                t.turn_rewards, ro.turn_reward, ro.turn_discount),
-           "model_tokens": int(mask.sum()), "observed_tokens": int(mask.size - mask.sum())}
+           "model_tokens": int(mask.sum()), "observed_tokens": int(mask.size - mask.sum()),
+           # each observation's messages, for a reward model's rendering (`conversation`)
+           "observations": [] if t is None else list(getattr(t, "observations", ()))}
     for k in COUNTS:
         rec[k] = 0 if t is None else getattr(t, k)
     return rec
@@ -160,3 +164,26 @@ def trajectory_text(tokenizer, completion, mask) -> str:
             text = tokenizer.decode(ids.tolist(), skip_special_tokens=False)
             out.append(text if m[0] else f"[observation]{text}[/observation]")
     return "".join(out)
+
+
+def conversation(tokenizer, completion, mask, observations) -> list[dict]:
+    """A trajectory's turns as chat messages, for a reward model to render in its own
+    template (`lrl.rewards.model.score`): each run of model tokens (mask 1) an assistant
+    message of its text as the environment read it (special tokens dropped), each run of
+    observation tokens the messages the environment returned (`observations`, one list a
+    run; a run without one, its decoded text as a tool message)."""
+    completion, mask = np.asarray(completion), np.asarray(mask) > 0
+    cuts = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+    out, k = [], 0
+    for ids, m in zip(np.split(completion, cuts), np.split(mask, cuts)):
+        if not ids.size:
+            continue
+        if m[0]:
+            out.append({"role": "assistant",
+                        "content": tokenizer.decode(ids.tolist(), skip_special_tokens=True)})
+        else:
+            out.extend(observations[k] if k < len(observations) else [
+                {"role": "tool",
+                 "content": tokenizer.decode(ids.tolist(), skip_special_tokens=True)}])
+            k += 1
+    return out

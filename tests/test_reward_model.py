@@ -141,6 +141,52 @@ def test_bad_checkpoints_are_clear_errors(tmp_path, rm_dir):
         rm_lib.load(_opts(path, batch_rows=3), mesh_lib.make_mesh({"fsdp": 2, "data": 4}))
 
 
+def test_a_trajectory_is_scored_as_its_whole_conversation(rm_dir):
+    """Multi-turn (`rollout.env`): a reward model scores the prompt's messages, each model
+    turn as an assistant message and each observation as the messages its environment
+    returned, in the RM's own template, as transformers scores that conversation; weighted
+    and added to the environment's reward."""
+    from lrl import collect, trajectories
+    from lrl.groups import Groups
+    from lrl.tasks import Prompt
+    path, model = rm_dir
+    rm = rm_lib.load(_opts(path, max_len=256), None)
+    tok = rm.tokenizer   # the policy's tokenizer too
+    enc = lambda t: np.asarray(tok(t, add_special_tokens=False)["input_ids"], np.int32)  # noqa
+    msgs, _ = _conversations(2, seed=3)
+    turns = [[("seven plus two", 1), ("<|im_end|>\n<|im_start|>tool\n9<|im_end|>\n", 0),
+              ("the answer is nine", 1)],
+             [("no", 1)]]
+    observations = [[[{"role": "tool", "content": "9"}]], []]
+    completions = [np.concatenate([enc(t) for t, _ in p]) for p in turns]
+    masks = [np.concatenate([np.full(len(enc(t)), k, np.int8) for t, k in p]) for p in turns]
+    recs = [{"env_reward": 1.0, "observations": observations[0]},
+            {"env_reward": 0.0, "observations": observations[1]}]
+    prompts = tuple(Prompt(np.arange(3, dtype=np.int32), "9", {"messages": m}, "") for m in msgs)
+    groups = Groups(prompts, tuple(completions), tuple(np.zeros(len(c)) for c in completions),
+                    1, np.zeros(2, bool), masks=tuple(masks), trajectories=tuple(recs))
+    chats = [trajectories.conversation(tok, c, m, r["observations"])
+             for c, m, r in zip(completions, masks, recs)]
+    assert chats[0] == [{"role": "assistant", "content": "seven plus two"},
+                        {"role": "tool", "content": "9"},
+                        {"role": "assistant", "content": "the answer is nine"}]
+    with rm_lib.ModelRewardPool(None, rm, 0.5) as pool:
+        scored, stats = collect.score(groups, pool, tok)
+    want = []
+    for m, chat in zip(msgs, chats):
+        ids = tok(tok.apply_chat_template([*m, *chat], tokenize=False), add_special_tokens=False,
+                  return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            want.append(float(model(input_ids=ids).logits[0, 0]))
+    np.testing.assert_allclose(scored.rewards_PG[:, 0], np.asarray([1.0, 0.0]) + 0.5 * np.asarray(
+        want), atol=1e-4, rtol=1e-4)
+    assert stats["reward/term_mean/rm"] == pytest.approx(np.mean(want), abs=1e-4)
+    assert scored.texts[0] == "seven plus twothe answer is nine"   # the model's tokens
+    # A record from before observations were kept: its observation run decoded as a tool turn.
+    old = trajectories.conversation(tok, completions[0], masks[0], [])
+    assert old[1]["role"] == "tool" and "9" in old[1]["content"]
+
+
 def test_config_rules(tmp_path, rm_dir):
     from configs import default
     from lrl import options
@@ -194,6 +240,31 @@ def test_loop_weighs_the_reward_model_in(tmp_path, rm_dir):
         assert r["reward/term_mean/rm"] != 0
         assert r["reward/mean"] == pytest.approx(
             r["reward/term_mean/synthetic"] + 0.5 * r["reward/term_mean/rm"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_multi_turn_loop_adds_the_reward_model_to_the_environments_reward(tmp_path, rm_dir):
+    """`configs/default.py:tools_runlocal` with spec "synthetic:1.0,rm:0.5": the environment
+    scores the final answer with the rule term in the pool's workers, the reward model the
+    whole conversation on the mesh; a trajectory's reward is the sum."""
+    import os
+    from lrl import config_util, loop
+    path, _ = rm_dir
+    if "llama" in str(path):
+        pytest.skip("one family end to end is enough")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    c = config_util.load(os.path.join(root, "configs", "default.py"), "tools_runlocal")
+    c.mesh.update(fsdp=4, tensor=2)   # the suite's 8 devices
+    c.sft.steps = 0
+    c.rl.steps = 1
+    c.eval.every = 0
+    c.reward.spec = "synthetic:1.0,rm:0.5"
+    c.reward.model.update(hf_path=str(path), max_len=256, batch_rows=4, dtype="float32")
+    m = loop.run(c, str(tmp_path / "run"))["grpo"]
+    assert m["rollout/env_trajectories"] == 16 and m["reward/rm_rows"] >= 1
+    assert m["reward/term_mean/rm"] != 0 and np.isfinite(m["loss"])
+    assert m["reward/mean"] == pytest.approx(
+        m["turns/env_reward_mean"] + 0.5 * m["reward/term_mean/rm"], abs=1e-5)
 
 
 def _rm_config(path, **rm):

@@ -55,6 +55,11 @@ class Trajectory:
     tool_s: float = 0.0            # wall time of its environment steps (in the worker)
     end: str = "length"
     observed_tokens: int = 0       # observation ids appended
+    observations: list = dataclasses.field(default_factory=list)   # their messages, a list each
+
+    def __setstate__(self, state: dict) -> None:
+        # A checkpoint's carried trajectory pickled before `observations` was kept.
+        self.__dict__.update({"observations": [], **state})
     error: str = ""                # why it ended in "error" or "timeout"
 
 
@@ -247,7 +252,7 @@ class Driver:
             self._end(live, "max_turns")
             return key, None
         try:
-            ids = self._render(live, step)
+            ids, messages = self._render(live, step)
         except Exception as e:  # noqa: BLE001 - a bad observation ends this trajectory only
             self._end(live, "error", f"cannot render the observation: {type(e).__name__}: {e}")
             return key, None
@@ -258,15 +263,16 @@ class Driver:
             ids = ids[:live.room]
         live.start = live.length + len(ids)
         traj.observed_tokens += len(ids)
+        traj.observations.append(messages)
         return key, np.asarray(ids, np.int32)
 
-    def _render(self, live: _Live, step: Step) -> list[int]:
+    def _render(self, live: _Live, step: Step) -> tuple[list[int], list[dict]]:
         obs = step.observation
         texts = [""] if obs is None else [obs] if isinstance(obs, str) else list(obs)
         role = step.info.get("role", live.env.role)
         messages = [{"role": role, "content": t} for t in texts]
         return observation_ids(self.tokenizer, messages, last_token=live.last_token,
-                               end_ids=self.end_ids, chat_template=self.template)
+                               end_ids=self.end_ids, chat_template=self.template), messages
 
     # ----- after the rollout --------------------------------------------------------------
 

@@ -165,10 +165,13 @@ def load(opts, mesh, attention: str = "dense", dtype=None, key: str = "reward.mo
 
 # ----------------------------------------------------------------------------- scoring
 
-def render(rm: RewardModel, messages: Sequence[dict], response: str) -> np.ndarray:
-    """The conversation with `response` as the assistant's turn, in the reward model's chat
-    template, as token ids (the template writes any BOS itself)."""
-    chat = [*messages, {"role": "assistant", "content": response}]
+def render(rm: RewardModel, messages: Sequence[dict], response) -> np.ndarray:
+    """The conversation with `response` as the assistant's turn (or, a list of messages, a
+    multi-turn trajectory's turns: the model's and its environment's), in the reward model's
+    chat template, as token ids (the template writes any BOS itself)."""
+    turns = ([{"role": "assistant", "content": response}] if isinstance(response, str)
+             else list(response))
+    chat = [*messages, *turns]
     text = rm.tokenizer.apply_chat_template(chat, tokenize=False)
     return np.asarray(rm.tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)
 
@@ -199,9 +202,10 @@ def pack_rows(seqs: Sequence[np.ndarray], row_len: int, max_segments: int):
     return tokens, seg, pos, row, start
 
 
-def score(rm: RewardModel, messages: Sequence[Sequence[dict]], responses: Sequence[str]
+def score(rm: RewardModel, messages: Sequence[Sequence[dict]], responses: Sequence
           ) -> tuple[np.ndarray, dict]:
-    """Scores float32 [n] of each (messages, response) and stats: rm_truncated (sequences
+    """Scores float32 [n] of each (messages, response) (a response: text, or a trajectory's
+    turns as messages, `render`) and stats: rm_truncated (sequences
     longer than max_len, cut at the right as verl's reward worker cuts them), rm_rows,
     rm_calls, rm_s."""
     from lrl import mesh as mesh_lib
@@ -236,10 +240,29 @@ def score(rm: RewardModel, messages: Sequence[Sequence[dict]], responses: Sequen
 class ModelRewardPool:
     """The reward pool of a spec with an `rm` term: the rule terms in a `RewardPool` (None
     when there are none), plus `weight` x the reward model's score, with `RewardPool.score`'s
-    interface (items of (completion, answer, meta); meta carries the prompt's messages)."""
+    interface (items of (completion, answer, meta); meta carries the prompt's messages).
+    `workers`: the worker pool a multi-turn rollout's environment steps run in (the rules'
+    pool, or one of its own when there are no rule terms); `score_trajectories` scores whole
+    conversations."""
 
-    def __init__(self, rules, rm: RewardModel, weight: float):
+    def __init__(self, rules, rm: RewardModel, weight: float, workers=None):
         self.rules, self.rm, self.weight = rules, rm, weight
+        self.workers = workers if workers is not None else rules
+
+    @property
+    def terms(self) -> tuple:
+        """The rule terms (what an environment scores a final answer with)."""
+        return () if self.rules is None else tuple(self.rules.terms)
+
+    def score_trajectories(self, messages: Sequence[Sequence[dict]],
+                           conversations: Sequence[Sequence[dict]]) -> tuple[np.ndarray, dict]:
+        """`weight` x the reward model's score of each prompt's `messages` followed by its
+        trajectory's turns (`lrl.trajectories.conversation`), and the stats `score` gives
+        with term_mean/rm: the model's part of a trajectory's reward (its environment gave
+        the rule terms' part)."""
+        scores, stats = score(self.rm, messages, conversations)
+        stats[f"term_mean/{MODEL_TERM}"] = float(scores.mean()) if len(scores) else 0.0
+        return (np.float32(self.weight) * scores).astype(np.float32), stats
 
     def score(self, items) -> tuple[np.ndarray, dict]:
         messages, stripped = [], []
@@ -261,8 +284,8 @@ class ModelRewardPool:
         return (rewards + np.float32(self.weight) * rm_scores).astype(np.float32), stats
 
     def close(self) -> None:
-        if self.rules is not None:
-            self.rules.close()
+        for pool in {id(p): p for p in (self.rules, self.workers) if p is not None}.values():
+            pool.close()
 
     def __enter__(self):
         return self
