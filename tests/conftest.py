@@ -44,3 +44,15 @@ def _free_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.hookimpl(optionalhook=True)   # xdist's hook: without xdist (`-p no:xdist`) unused
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the README's and CI's command): one worker a core, at most one per ~8 GB
+    of memory (a worker holds its own 8 virtual devices' programs, a loop test a few GB) and
+    at most 4 (beyond that the slowest test files set the time)."""
+    try:
+        memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        memory_gb = 16.0
+    return max(1, min(os.cpu_count() or 1, int(memory_gb // 8), 4))

@@ -58,7 +58,9 @@ def _critic_params(cfg, seed=1):
     return critic.params_from_policy(critic.critic_config(cfg), policy, head_std=0.3, seed=seed)
 
 
-@pytest.mark.parametrize("attention,seq", [("ring", 2), ("ring", 4), ("ulysses", 2)])
+@pytest.mark.parametrize("attention,seq", [pytest.param("ring", 2, marks=pytest.mark.slow),
+                                           pytest.param("ring", 4, marks=pytest.mark.slow),
+                                           ("ulysses", 2)])
 def test_sharded_critic_equals_unsharded(attention, seq):
     rng = np.random.default_rng(0)
     batch, _ = _rows(rng)

@@ -166,6 +166,7 @@ def _update_programs(lr=1.0):
     return upd.make_update_programs(TINY, LossConfig(), optax.sgd(lr), chunk=16), optax.sgd(lr)
 
 
+@pytest.mark.slow
 def test_the_update_forward_measures_the_mismatch_of_its_first_minibatch_for_free():
     """Without a trainer forward for the old log-probs, the update's first minibatch (the one
     under the weights that sampled) compares its own log-probs with the sampler's, carried in

@@ -28,7 +28,8 @@ def _loss(cfg, mesh):
     return jax.jit(jax.value_and_grad(f, has_aux=True))
 
 
-@pytest.mark.parametrize("attention,seq", [("ring", 2), ("ring", 4), ("ulysses", 2)])
+@pytest.mark.parametrize("attention,seq", [("ring", 2), pytest.param("ring", 4, marks=pytest.mark.slow),
+                                           ("ulysses", 2)])
 def test_sequence_parallel_model_equals_dense(attention, seq):
     params = models.init_params(CFG, jax.random.key(1))
     tokens, seg = _inputs()

@@ -14,7 +14,7 @@ from tests.test_multiturn_train import _groups, _setup
 from tests.test_shared_prompt import _step, _tiny
 
 
-@pytest.mark.parametrize("shared", ["off", "on"])
+@pytest.mark.parametrize("shared", ["off", pytest.param("on", marks=pytest.mark.slow)])
 def test_a_trajectory_groups_update_under_ring_attention_equals_dense(shared):
     s = _setup(shared_prompt=shared)
     rows, _, _ = grpo.pack(s, _groups(), np.array([[1.0, -1.0]], np.float32), np.ones(2),

@@ -67,7 +67,7 @@ def _moments(opt_state):
     return [x for x in jax.tree.leaves(opt_state) if x.ndim >= 1]
 
 
-@pytest.mark.parametrize("host_driven", [False, True])
+@pytest.mark.parametrize("host_driven", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_offloaded_update_is_the_on_device_update(host_driven):
     """fp32 compute, so the device copy is the masters: three AdamW steps (warm-up, weight
     decay with the norm mask, a clip that bites) give the same masters, moments and metrics
@@ -94,6 +94,7 @@ def test_offloaded_update_is_the_on_device_update(host_driven):
     assert not np.allclose(np.asarray(masters["final_norm"]["scale"]), 1.0)
 
 
+@pytest.mark.slow
 def test_bf16_compute_copy_with_fp32_masters_moves_at_a_small_lr():
     """bf16 compute: the offloaded masters follow the on-device fp32 masters (the gradients
     differ only in the bf16 rounding of the weights the forward reads), and at lr 1e-6 the
@@ -116,6 +117,7 @@ def test_bf16_compute_copy_with_fp32_masters_moves_at_a_small_lr():
         np.asarray(masters["layers"]["up_proj"]["kernel"].astype(jnp.bfloat16)))
 
 
+@pytest.mark.slow
 def test_offloaded_state_saves_and_resumes(tmp_path):
     """Orbax writes the host-resident masters and moments and reads them back into host
     memory; a step from the restored state is the step from the original."""

@@ -136,6 +136,7 @@ def test_greedy_partial_rollout_with_kept_pages_equals_one_uninterrupted_rollout
     _assert_same(trained, want, prompts)
 
 
+@pytest.mark.slow
 def test_a_pool_too_small_to_keep_every_carried_sample_prefills_some_to_the_same_tokens():
     """Kept pages go (those samples prefilled again) before a live sample is preempted or
     admission waits; the tokens are still those of one uninterrupted rollout."""

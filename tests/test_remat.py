@@ -39,7 +39,7 @@ def _count_prims(jaxpr, name: str) -> int:
     return n
 
 
-@pytest.mark.parametrize("seq", [1, 2])
+@pytest.mark.parametrize("seq", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_attention_kept_by_dots_attn_and_save_attn(seq):
     mesh = mesh_lib.make_mesh({"seq": seq, "fsdp": 1}, devices=jax.devices()[:seq])
     params = models.init_params(CFG, jax.random.key(0))

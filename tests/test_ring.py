@@ -210,6 +210,7 @@ def test_ring_bad_length_is_a_clear_error():
         ring.ring_attention(q, k, v, None, mesh=make_mesh({"seq": 4, "fsdp": -1}))
 
 
+@pytest.mark.slow
 def test_ring_temp_memory_falls_with_shards():
     """Per-device temporary bytes of fwd+bwd at a fixed total length: what the shard holds
     (q, k, v, o, their gradients, the K/V and dK/dV in flight) scales as 1/n; the XLA tiles

@@ -269,9 +269,10 @@ def _tiny(**kw):
 
 
 @pytest.mark.parametrize("loss,G,row_len,rows", [
-    ("token_mean", 1, 32, 4), ("seq_mean_token_mean", 2, 48, 2),
-    ("seq_mean_token_sum_norm", 4, 40, 2), ("gspo", 8, 64, 2), ("token_mean", 8, 64, 2),
-    ("seq_mean_token_mean", 5, 40, 2)])
+    ("token_mean", 1, 32, 4),   # the fast tier's; the rest in the slow
+    *[pytest.param(*case, marks=pytest.mark.slow) for case in [
+        ("gspo", 8, 64, 2), ("seq_mean_token_mean", 2, 48, 2), ("seq_mean_token_sum_norm", 4, 40, 2),
+        ("token_mean", 8, 64, 2), ("seq_mean_token_mean", 5, 40, 2)]]])
 def test_shared_update_equals_unshared_on_one_device(loss, G, row_len, rows):
     """Loss, metrics, per-token log-probs and parameter gradients (fp32) of the shared layout
     are the unshared layout's: every aggregation, KL, entropy, TIS and GSPO; several groups a
@@ -288,7 +289,7 @@ def test_shared_update_unfused_head_and_micro_batches():
                       num_micro=2, fused_head=False)
 
 
-@pytest.mark.parametrize("attention", ["ring", "ulysses"])
+@pytest.mark.parametrize("attention", [pytest.param("ring", marks=pytest.mark.slow), "ulysses"])
 def test_shared_update_equals_unshared_on_fsdp_x_seq(attention):
     """The same over a mesh of fsdp 2 x seq 4: ring attention in the zig-zag layout (a prompt
     prefix spread over several seq shards) and Ulysses."""
@@ -341,7 +342,8 @@ def _vl_rows(seed, G, share_mode):
     return rows, layout
 
 
-@pytest.mark.parametrize("G,attention", [(1, "dense"), (4, "dense"), (3, "ring")])
+@pytest.mark.parametrize("G,attention", [(1, "dense"), pytest.param(4, "dense", marks=pytest.mark.slow),
+                                         pytest.param(3, "ring", marks=pytest.mark.slow)])
 def test_vl_shared_update_equals_unshared_with_mrope(G, attention):
     """The Qwen2.5-VL decoder reading a visual table: the prompt's visual tokens appear once
     in the shared rows, its responses take M-RoPE positions continuing from the prompt's

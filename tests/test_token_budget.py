@@ -47,8 +47,12 @@ def _fill(micro) -> float:
         mb["tokens"].size for mb in micro)
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
-@pytest.mark.parametrize("sizes,attention", [(None, "dense"), ({"fsdp": 2, "seq": 2}, "ring")])
+@pytest.mark.parametrize("aggregation,sizes,attention", [
+    ("token_mean", None, "dense"),
+    # the fast tier's one case: the others (the ring's are its costliest tests) in the slow
+    pytest.param("seq_mean_token_mean", None, "dense", marks=pytest.mark.slow),
+    pytest.param("token_mean", {"fsdp": 2, "seq": 2}, "ring", marks=pytest.mark.slow),
+    pytest.param("seq_mean_token_mean", {"fsdp": 2, "seq": 2}, "ring", marks=pytest.mark.slow)])
 def test_host_micro_batches_equal_one_batch(aggregation, sizes, attention):
     rows = _rows(np.random.RandomState(0), 18, 64)
     mesh = mesh_lib.make_mesh(sizes, devices=jax.devices()[:4]) if sizes else None

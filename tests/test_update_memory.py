@@ -78,6 +78,7 @@ def _accumulate_temp(n_layers: int, T: int) -> int:
     ).memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_full_remat_keeps_about_one_layer_input_a_token_a_layer():
     """With full remat the accumulate program's temporaries grow, per token and per layer, by
     about the layer's input (d_model values), not by its MLP activations (2 x mlp_dim values,

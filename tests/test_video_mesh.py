@@ -61,6 +61,7 @@ def _groups_and_rows(rng):
                                  [8 * (i // G) for i in range(2 * G)])
 
 
+@pytest.mark.slow
 def test_vl_update_with_ring_attention_equals_the_single_device_step():
     attention, sizes = "ring", {"fsdp": 2, "seq": 4}
     rng = np.random.RandomState(0)
@@ -97,7 +98,8 @@ def test_vl_update_with_ring_attention_equals_the_single_device_step():
 # ----------------------------------------------------------------------------- SP prefill
 
 @pytest.mark.parametrize("attention,sizes", [("ring", {"fsdp": 2, "seq": 4}),
-                                             ("ulysses", {"fsdp": 4, "seq": 2})])
+                                             pytest.param("ulysses", {"fsdp": 4, "seq": 2},
+                                                          marks=pytest.mark.slow)])
 def test_sp_prefill_writes_what_the_engine_prefill_writes(attention, sizes):
     """A video prompt (embeddings + M-RoPE) and a text prompt prefilled sequence-parallel:
     same pages, then the same greedy samples and log-probs as after the engine's prefill."""
@@ -176,6 +178,7 @@ def test_video_grpo_on_a_mesh_checkpoints_and_resumes(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path / "checkpoints"))[:2] == ["2", "3"]
 
 
+@pytest.mark.slow
 def test_video_qa_config_reports_missing_videos_and_bad_rows(tmp_path, caplog):
     clips = tmp_path / "clips"
     rows = []
