@@ -64,15 +64,19 @@ def seconds_since(before: collections.Counter) -> dict:
     return {k: v - before.get(k, 0.0) for k, v in now.items() if v > before.get(k, 0.0)}
 
 
+def _costliest(spent: dict, n: int) -> list[tuple[str, str, float]]:
+    """(jax's name, the function's, seconds) of the `n` costliest programs in `spent`."""
+    worst = sorted(spent.items(), key=lambda kv: -kv[1])[:n]
+    return [(k, k.removeprefix("jit(").removesuffix(")"), v) for k, v in worst]
+
+
 def top(spent: dict, n: int = 6) -> dict:
     """{"compile_s/<name>": seconds} of the `n` costliest programs in `spent`: metrics a
     run's first step records (metrics.jsonl), the console left quiet."""
-    worst = sorted(spent.items(), key=lambda kv: -kv[1])[:n]
-    return {f"compile_s/{k.removeprefix('jit(').removesuffix(')')}": v for k, v in worst}
+    return {f"compile_s/{name}": v for _, name, v in _costliest(spent, n)}
 
 
-def describe(spent: dict, counts: dict, top: int = 6) -> str:
+def describe(spent: dict, counts: dict, n: int = 6) -> str:
     """`name x count s, ...`, the costliest first: where a start's compile time went."""
-    worst = sorted(spent.items(), key=lambda kv: -kv[1])[:top]
-    return ", ".join(f"{k.removeprefix('jit(').removesuffix(')')} x{counts.get(k, 0)} {v:.1f} s"
-                     for k, v in worst)
+    return ", ".join(f"{name} x{counts.get(k, 0)} {v:.1f} s"
+                     for k, name, v in _costliest(spent, n))

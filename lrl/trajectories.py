@@ -152,17 +152,22 @@ def metrics(groups) -> dict:
     return out
 
 
+def _runs(completion, mask):
+    """A trajectory's tokens as its runs: (ids, whether the model wrote them), in order."""
+    completion, mask = np.asarray(completion), np.asarray(mask) > 0
+    cuts = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+    return [(ids, bool(m[0])) for ids, m in zip(np.split(completion, cuts), np.split(mask, cuts))
+            if ids.size]
+
+
 def trajectory_text(tokenizer, completion, mask) -> str:
     """A trajectory as text (special tokens kept), each run of observation tokens (mask 0)
     wrapped in [observation]...[/observation]: what samples.jsonl shows, the model's turns
     and what the environment answered."""
-    completion, mask = np.asarray(completion), np.asarray(mask) > 0
-    cuts = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
     out = []
-    for ids, m in zip(np.split(completion, cuts), np.split(mask, cuts)):
-        if ids.size:
-            text = tokenizer.decode(ids.tolist(), skip_special_tokens=False)
-            out.append(text if m[0] else f"[observation]{text}[/observation]")
+    for ids, model in _runs(completion, mask):
+        text = tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+        out.append(text if model else f"[observation]{text}[/observation]")
     return "".join(out)
 
 
@@ -172,18 +177,13 @@ def conversation(tokenizer, completion, mask, observations) -> list[dict]:
     message of its text as the environment read it (special tokens dropped), each run of
     observation tokens the messages the environment returned (`observations`, one list a
     run; a run without one, its decoded text as a tool message)."""
-    completion, mask = np.asarray(completion), np.asarray(mask) > 0
-    cuts = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
     out, k = [], 0
-    for ids, m in zip(np.split(completion, cuts), np.split(mask, cuts)):
-        if not ids.size:
-            continue
-        if m[0]:
-            out.append({"role": "assistant",
-                        "content": tokenizer.decode(ids.tolist(), skip_special_tokens=True)})
+    for ids, model in _runs(completion, mask):
+        text = tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+        if model:
+            out.append({"role": "assistant", "content": text})
         else:
-            out.extend(observations[k] if k < len(observations) else [
-                {"role": "tool",
-                 "content": tokenizer.decode(ids.tolist(), skip_special_tokens=True)}])
+            out.extend(observations[k] if k < len(observations)
+                       else [{"role": "tool", "content": text}])
             k += 1
     return out

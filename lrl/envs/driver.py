@@ -55,12 +55,12 @@ class Trajectory:
     tool_s: float = 0.0            # wall time of its environment steps (in the worker)
     end: str = "length"
     observed_tokens: int = 0       # observation ids appended
+    error: str = ""                # why it ended in "error" or "timeout"
     observations: list = dataclasses.field(default_factory=list)   # their messages, a list each
 
     def __setstate__(self, state: dict) -> None:
         # A checkpoint's carried trajectory pickled before `observations` was kept.
         self.__dict__.update({"observations": [], **state})
-    error: str = ""                # why it ended in "error" or "timeout"
 
 
 def _run_step(env: Environment, text: str, tokens: np.ndarray):

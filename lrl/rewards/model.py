@@ -257,12 +257,12 @@ class ModelRewardPool:
     def score_trajectories(self, messages: Sequence[Sequence[dict]],
                            conversations: Sequence[Sequence[dict]]) -> tuple[np.ndarray, dict]:
         """`weight` x the reward model's score of each prompt's `messages` followed by its
-        trajectory's turns (`lrl.trajectories.conversation`), and the stats `score` gives
-        with term_mean/rm: the model's part of a trajectory's reward (its environment gave
-        the rule terms' part)."""
+        response (`score`: a text, or a trajectory's turns, `lrl.trajectories.conversation`),
+        and the stats `score` gives with term_mean/rm: the model's part of a reward (of a
+        trajectory, beside its environment's, which the rule terms scored)."""
         scores, stats = score(self.rm, messages, conversations)
         stats[f"term_mean/{MODEL_TERM}"] = float(scores.mean()) if len(scores) else 0.0
-        return (np.float32(self.weight) * scores).astype(np.float32), stats
+        return np.float32(self.weight) * scores, stats
 
     def score(self, items) -> tuple[np.ndarray, dict]:
         messages, stripped = [], []
@@ -278,10 +278,9 @@ class ModelRewardPool:
             rewards, stats = self.rules.score(stripped)
         else:
             rewards, stats = np.zeros(len(items), np.float32), {"n_items": float(len(items))}
-        rm_scores, rm_stats = score(self.rm, messages, [c for c, _, _ in stripped])
+        rm, rm_stats = self.score_trajectories(messages, [c for c, _, _ in stripped])
         stats.update(rm_stats)
-        stats[f"term_mean/{MODEL_TERM}"] = float(rm_scores.mean()) if len(items) else 0.0
-        return (rewards + np.float32(self.weight) * rm_scores).astype(np.float32), stats
+        return (rewards + rm).astype(np.float32), stats
 
     def close(self) -> None:
         for pool in {id(p): p for p in (self.rules, self.workers) if p is not None}.values():
