@@ -143,6 +143,8 @@ def run_once(engine, dparams, params, prompts, lengths, obs, limit, a, latency, 
                 occupancy_waiting=stats["occupancy_waiting"],
                 blocked=stats.get("blocked_s", 0.0) / wall, decode_steps=stats["decode_steps"],
                 prefill_s=stats["prefill_s"], observed=stats["observed_tokens"],
+                prefill_rounds=stats.get("prefill_rounds", 0),
+                extend_calls=stats.get("extend_calls", 0),
                 refilled=stats.get("refilled", 0), preempted=stats.get("preempted", 0))
 
 
@@ -188,11 +190,24 @@ def main():
     # reach.
     state = engine.compile_prefill(dparams, engine.take_state())
     state = engine.compile_decode(dparams, state, a.steps_per_call)
-    engine.keep_state(engine.compile_extend(dparams, state, [a.obs]))
+    state = engine.compile_extend(dparams, state, [a.obs])
+    # What one observation-prefill call costs on its own: the quarter and the full program
+    # (C of an observation of --obs tokens), run on empty rows, as compile_extend runs them.
+    jax.block_until_ready(state.k_pages)
+    t0, reps = time.perf_counter(), 10
+    for _ in range(reps):
+        state = engine.compile_extend(dparams, state, [a.obs])
+    jax.block_until_ready(state.k_pages)
+    pair_ms = (time.perf_counter() - t0) / reps * 1e3
+    engine.keep_state(state)
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
           f"{cfg.num_params() / 1e9:.3f}B params; {a.n} trajectories x {a.turns} turns of "
           f"{a.turn_min}-{a.turn_max} tokens, {a.obs}-token observations, {a.slots} slots",
           flush=True)
+    C = engine.extend_chunk(a.obs + 1)
+    print(f"one observation-prefill call of each of its two programs (C {C}, R "
+          f"{engine._extend_rows(C, 1)} and {engine._extend_rows(C, 1 << 30)}): "
+          f"{pair_ms:.2f} ms the pair", flush=True)
     latencies = [float(x) for x in a.latencies.split(",") if x]
     compiles.install()
     t0 = time.perf_counter()
@@ -212,14 +227,16 @@ def main():
     new = compiles.since(before)
     print(f"\ncompiles after the first run: {sum(new.values())} {new or ''}")
     print("\n| tool latency | mode | wall s | generated tok/s | slot occupancy | blocked on "
-          "tools | × turn by turn |\n|---|---|---|---|---|---|---|")
+          "tools | × turn by turn | prefill s | rounds | calls |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
     for latency in latencies:
         pair = [r for r in rows[1:] if r["latency_ms"] == latency * 1e3]
         base = next(r for r in pair if r["mode"] == "turn by turn")
         for r in pair:
             print(f"| {r['latency_ms']:.0f} ms | {r['mode']} | {r['wall_s']:.2f} | "
                   f"{r['tok_s']:.0f} | {r['occupancy']:.0%} | {r['blocked']:.0%} | "
-                  f"{r['tok_s'] / base['tok_s']:.2f} |")
+                  f"{r['tok_s'] / base['tok_s']:.2f} | {r['prefill_s']:.2f} | "
+                  f"{r['prefill_rounds']} | {r['extend_calls']} |")
 
 
 if __name__ == "__main__":

@@ -668,22 +668,29 @@ class Engine:
         `prefill_chunk` (longer ones go in chunks of that)."""
         return min(self.ecfg.prefill_chunk, max(16, 1 << max(0, n - 1).bit_length()))
 
-    def run_extend(self, params, state: DecodeState, extensions) -> DecodeState:
-        """Prefills each extension's tokens into its pages after the positions they hold, in
-        `prefill_chunk` calls [R, C] that attend to the pages already written: C
-        `extend_chunk`'s, R = turn_prefill_tokens // C rows (1 to max_slots), or a quarter of
-        that when a quarter holds them: two programs per C whatever the number of samples
-        (`compile_extend` compiles them up front)."""
-        kp, vp = state.k_pages, state.v_pages
+    def extend_calls(self, extensions) -> list:
+        """The calls that prefill `extensions`: (the extensions of the call, the offset into
+        their tokens, R, C) each. C is `extend_chunk`'s, R = turn_prefill_tokens // C rows (1
+        to max_slots), or a quarter of that when a quarter holds them: two programs per C
+        whatever the number of samples (`compile_extend` compiles them up front)."""
         by_chunk: dict[int, list] = {}
         for x in extensions:
             by_chunk.setdefault(self.extend_chunk(len(x.tokens)), []).append(x)
+        calls = []
         for C, group in sorted(by_chunk.items()):
             for start in range(0, max(len(x.tokens) for x in group), C):
                 todo = [x for x in group if len(x.tokens) > start]
                 R = self._extend_rows(C, len(todo))
-                for part in _batches(todo, R):
-                    kp, vp = self._extend_call(params, kp, vp, part, start, R, C)
+                calls += [(part, start, R, C) for part in _batches(todo, R)]
+        return calls
+
+    def run_extend(self, params, state: DecodeState, extensions, calls=None) -> DecodeState:
+        """Prefills each extension's tokens into its pages after the positions they hold, in
+        `prefill_chunk` calls [R, C] that attend to the pages already written (`calls`:
+        `extend_calls(extensions)`, when the caller has them already)."""
+        kp, vp = state.k_pages, state.v_pages
+        for part, start, R, C in (self.extend_calls(extensions) if calls is None else calls):
+            kp, vp = self._extend_call(params, kp, vp, part, start, R, C)
         return state._replace(k_pages=kp, v_pages=vp)
 
     def compile_extend(self, params, state: DecodeState, lengths) -> DecodeState:

@@ -225,7 +225,9 @@ def _prefill(r: Rollout, prefixes: list, extensions: list = ()) -> None:
         r.device = (r.engine.run_prefill(r.dparams, r.device, prefixes) if r.prefill_fn is None
                     else r.prefill_fn(r.engine, r.params, r.device, prefixes))
     if extensions:
-        r.device = r.engine.run_extend(r.dparams, r.device, extensions)
+        calls = r.engine.extend_calls(extensions)
+        r.st["extend_calls"] += len(calls)
+        r.device = r.engine.run_extend(r.dparams, r.device, extensions, calls)
     if r.timed:
         r.st["prefill_rounds"] += 1   # admissions that prefilled
         # Timed alone only with no decode call in flight (waiting on it would end the

@@ -164,14 +164,14 @@ def report(r: Rollout, t_decode: float) -> dict:
     included), kv_token_steps, preempted, ...), timings (prefill_s: prefills timed alone;
     decode_s: from the first decode call to the last collection, less those) and shares;
     multi-turn rollouts add turns, observed_tokens, wait_s (sample-seconds waiting on
-    environments), blocked_s (the scheduler waiting on them with nothing to decode), refilled
-    and waiting_released (the memory rule's re-prefills) and occupancy_waiting."""
+    environments), blocked_s (the scheduler waiting on them with nothing to decode),
+    extend_calls (the observations' prefill calls), refilled and waiting_released (the memory rule's re-prefills) and occupancy_waiting."""
     e, st, B = r.engine, r.st, r.engine.ecfg.max_slots
     ps = e.ecfg.page_size
     steps = max(1, st["decode_steps"] * B)
     multi = {} if not r.multi else dict(
         turns=st["turns"], observed_tokens=st["observed_tokens"], wait_s=st["wait_s"],
-        blocked_s=st["blocked_s"], refilled=st["refilled"],
+        blocked_s=st["blocked_s"], refilled=st["refilled"], extend_calls=st["extend_calls"],
         waiting_released=st["waiting_released"],
         # the slot occupancy over the decode steps while some sample waited on its
         # environment (a ratio: over many rounds, from the two counts)
