@@ -684,12 +684,12 @@ class Engine:
                 calls += [(part, start, R, C) for part in _batches(todo, R)]
         return calls
 
-    def run_extend(self, params, state: DecodeState, extensions, calls=None) -> DecodeState:
-        """Prefills each extension's tokens into its pages after the positions they hold, in
-        `prefill_chunk` calls [R, C] that attend to the pages already written (`calls`:
-        `extend_calls(extensions)`, when the caller has them already)."""
+    def run_extend(self, params, state: DecodeState, calls) -> DecodeState:
+        """Prefills extensions' tokens into their pages after the positions they hold, in the
+        `prefill_chunk` calls [R, C] that `extend_calls` planned for them, each attending to
+        the pages already written."""
         kp, vp = state.k_pages, state.v_pages
-        for part, start, R, C in (self.extend_calls(extensions) if calls is None else calls):
+        for part, start, R, C in calls:
             kp, vp = self._extend_call(params, kp, vp, part, start, R, C)
         return state._replace(k_pages=kp, v_pages=vp)
 

@@ -71,7 +71,8 @@ def paged_attention_xla(q_BTNH, q_pos_BT, k_pages, v_pages, table_BY, kv_len_B, 
     `unroll_blocks` blocks read every block in a loop unrolled at trace time (blocks past
     the keys are masked); longer rows loop on the device over the blocks that hold a key, a
     loop whose trip count the GPU's host reads back each time it runs (no command buffer
-    holds it): a layer's wait, which a few blocks' masked work costs less than."""
+    holds it): a wait a layer, which a few blocks' masked work should cost less than (not
+    yet measured: experiments/bench/multiturn.py --unroll-blocks 0 against the default)."""
     B, T, N, H = q_BTNH.shape
     K, _, page_size, _ = k_pages.shape
     Y = table_BY.shape[1]

@@ -227,7 +227,7 @@ def _prefill(r: Rollout, prefixes: list, extensions: list = ()) -> None:
     if extensions:
         calls = r.engine.extend_calls(extensions)
         r.st["extend_calls"] += len(calls)
-        r.device = r.engine.run_extend(r.dparams, r.device, extensions, calls)
+        r.device = r.engine.run_extend(r.dparams, r.device, calls)
     if r.timed:
         r.st["prefill_rounds"] += 1   # admissions that prefilled
         # Timed alone only with no decode call in flight (waiting on it would end the

@@ -165,7 +165,8 @@ def report(r: Rollout, t_decode: float) -> dict:
     decode_s: from the first decode call to the last collection, less those) and shares;
     multi-turn rollouts add turns, observed_tokens, wait_s (sample-seconds waiting on
     environments), blocked_s (the scheduler waiting on them with nothing to decode),
-    extend_calls (the observations' prefill calls), refilled and waiting_released (the memory rule's re-prefills) and occupancy_waiting."""
+    extend_calls (the observations' prefill calls), refilled and waiting_released (the
+    memory rule's re-prefills) and occupancy_waiting."""
     e, st, B = r.engine, r.st, r.engine.ecfg.max_slots
     ps = e.ecfg.page_size
     steps = max(1, st["decode_steps"] * B)

@@ -79,7 +79,8 @@ class EngineConfig:
     prefill_block_pages: int = 64    # pages per block when a prefill chunk reads the pages
     # A prefill chunk over rows of at most this many blocks reads them all, unrolled, with no
     # device loop: a loop's trip count is read back by the host once a layer, and a
-    # multi-turn rollout runs such chunks (the observations' prefill) every round.
+    # multi-turn rollout runs such chunks (the observations' prefill) every round. Whether
+    # that is faster on a GPU is not yet measured (docs/rollout.md).
     prefill_unroll_blocks: int = 4
     pallas_k_splits: int = 4         # splits of the kv axis in the Pallas kernel
     pallas_warps: int = 4            # Triton warps per program of the Pallas kernel
