@@ -83,9 +83,18 @@ def test_offloaded_update_is_the_on_device_update(host_driven):
         assert leaf.sharding.memory_kind == "device"
     q = masters["layers"]["q_proj"]["kernel"]
     assert q.sharding.spec == got.params["layers"]["q_proj"]["kernel"].sharding.spec
-    _close(masters, want.params, rtol=2e-6, atol=1e-7)
-    _close(got.params, want.params, rtol=2e-6, atol=1e-7)
-    _close(_moments(inner), _moments(want.opt_state), rtol=2e-6, atol=1e-9)
+    # The two programs fuse differently, so their gradients' sums round in another order: a
+    # gradient that nearly cancels differs by a rounding of the leaf's larger terms, and Adam
+    # divides each by its own root mean square, which lifts that to a visible step. Adam moves
+    # an element by about lr a step: a thousandth of that (1e-5) is far below a real error (a
+    # missed clip or decay moves elements by a sizeable part of lr) and above the rounding
+    # seen (4e-6 at most, jaxlib 0.10.2 with the CPU's elemental emitter). The moments: to
+    # 1e-4 of each leaf's largest (the clip alone scales them by ~0.02; 1.6e-5 seen).
+    _close(masters, want.params, rtol=2e-6, atol=1e-5)
+    _close(got.params, want.params, rtol=2e-6, atol=1e-5)
+    for x, y in zip(_moments(inner), _moments(want.opt_state)):
+        y = np.asarray(y)
+        np.testing.assert_allclose(np.asarray(x), y, rtol=2e-6, atol=1e-4 * np.abs(y).max())
     assert int(got.step) == int(want.step) == 3
     for w, g in zip(wm, gm):
         assert w["grad_norm"] > 0.05   # the clip acted
