@@ -12,6 +12,7 @@ time since the last line), plus its first step, its last and any step with an ev
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import statistics
@@ -88,6 +89,21 @@ def hold_cpp() -> None:
         os.close(fd)
         _redirect(path)
         _held = path
+        atexit.register(_drop_held)
+
+
+def _drop_held() -> None:
+    """At exit of a run that never reached its workdir (a start-up check failed): the held
+    file goes if empty, else the console names it."""
+    if _held is None:
+        return
+    try:
+        if os.path.getsize(_held) == 0:
+            os.remove(_held)
+        else:
+            print(f"XLA's log lines of this start: {_held}", file=sys.stderr)
+    except OSError:
+        pass
 
 
 def quiet_cpp(workdir: str) -> str:

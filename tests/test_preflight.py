@@ -245,8 +245,10 @@ def test_out_of_memory_names_the_numbers_and_the_settings(capsys):
         errors.run(bug, config=c)
 
 
-def _main(*args, timeout=300):
+def _main(*args, timeout=300, tmpdir=None):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     env["XLA_FLAGS"] = xla_env.SPEED_FLAGS  # one CPU device (a user's laptop), fast compiles
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "lrl.main", *args], cwd=ROOT, timeout=timeout,
@@ -260,10 +262,14 @@ def test_the_command_line_exits_2_without_a_traceback(files, tmp_path):
               f"--config.tokenizer.path={files['tok_corrupt']}",
               f"--config.model.hf_path={files['hf']}", f"--config.data.paths={files['train']}",
               "--config.data.prompt_field=prompt"]
-    out, _ = _main(*common)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out, _ = _main(*common, tmpdir=tmp)
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr and "tok_corrupt/tokenizer.json" in out.stderr
     assert not (tmp_path / "run").exists()
+    # The file XLA's lines were held in until the workdir could be written goes too (empty).
+    assert not list(tmp.glob("lrl-xla-*")), list(tmp.iterdir())
     out, _ = _main(*common, "--verbosity=0")   # the traceback first, then the same message
     err = out.stderr
     assert out.returncode == 2 and "Traceback" in err, err
