@@ -6,6 +6,7 @@ import io
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -49,9 +50,17 @@ def test_offline_run_logs_steps_config_and_output_files(tmp_path, monkeypatch):
     assert runs[0].endswith(run_id)
     # The run's records (protobuf in W&B's own log format; its reader is not public API):
     # the steps' keys and values, the config's fields and the project are in them.
-    records = open(os.path.join(runs[0], f"run-{run_id}.wandb"), "rb").read()
-    for part in (b"grpo/loss", b"grpo/reward/mean", b"0.4375", b"0.8125", b"lrl-test",
-                 b"samples_per_step", b"max_new_tokens", b"metrics.jsonl"):
+    # W&B's service process writes that file after `finish` returns: under a loaded machine
+    # it held only its header when read at once (a full suite, 2026-12-06), so it is polled.
+    parts = (b"grpo/loss", b"grpo/reward/mean", b"0.4375", b"0.8125", b"lrl-test",
+             b"samples_per_step", b"max_new_tokens", b"metrics.jsonl")
+    path, deadline = os.path.join(runs[0], f"run-{run_id}.wandb"), time.monotonic() + 60
+    while True:
+        records = open(path, "rb").read()
+        if all(p in records for p in parts) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for part in parts:
         assert part in records, part
     files = os.path.join(runs[0], "files")
     for name in ("metrics.jsonl", "samples.jsonl", "grpo_curves.png"):
