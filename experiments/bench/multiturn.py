@@ -112,7 +112,7 @@ def build(a, cfg):
         cfg, max_prompt_len=a.prompt, max_new_tokens=limit, max_slots=a.slots,
         num_pages=a.n * pages_for(a.prompt + limit, ps) + 8 * a.slots + 1,
         max_prompts=a.n, page_size=ps, sampling=rollout.SamplingParams(1.0),
-        turn_prefill_tokens=a.turn_prefill_tokens, prefill_unroll_blocks=a.unroll_blocks,
+        turn_prefill_tokens=a.turn_prefill_tokens,
         **({"prefill_chunk": 64} if a.smoke else {}))
     return rollout.Engine(cfg, ecfg), prompts, lengths, obs, limit
 
@@ -163,8 +163,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps-per-call", type=int, default=16)
     ap.add_argument("--turn-prefill-tokens", type=int, default=1024,
                     help="EngineConfig.turn_prefill_tokens: an observation-prefill call's tokens")
-    ap.add_argument("--unroll-blocks", type=int, default=4,
-                    help="EngineConfig.prefill_unroll_blocks (0: the device loop over blocks)")
     return ap
 
 

@@ -65,14 +65,9 @@ def write_kv(k_pages, v_pages, k_BTKH, v_BTKH, page_BT, offset_BT):
 
 
 def paged_attention_xla(q_BTNH, q_pos_BT, k_pages, v_pages, table_BY, kv_len_B, layer_base,
-                        pages_per_block: int, unroll_blocks: int = 0):
+                        pages_per_block: int):
     """Causal attention of queries at positions `q_pos_BT` over the first `kv_len_B` tokens of
-    each row's pages (a key is visible when its position <= the query's). Rows of at most
-    `unroll_blocks` blocks read every block in a loop unrolled at trace time (blocks past
-    the keys are masked); longer rows loop on the device over the blocks that hold a key, a
-    loop whose trip count the GPU's host reads back each time it runs (no command buffer
-    holds it): a wait a layer, which a few blocks' masked work should cost less than (not
-    yet measured: experiments/bench/multiturn.py --unroll-blocks 0 against the default)."""
+    each row's pages (a key is visible when its position <= the query's)."""
     B, T, N, H = q_BTNH.shape
     K, _, page_size, _ = k_pages.shape
     Y = table_BY.shape[1]
@@ -109,13 +104,7 @@ def paged_attention_xla(q_BTNH, q_pos_BT, k_pages, v_pages, table_BY, kv_len_B, 
 
     init = (jnp.full((B, K, Q, T), -jnp.inf, jnp.float32), jnp.zeros((B, K, Q, T), jnp.float32),
             jnp.zeros((B, K, Q, T, H), jnp.float32))
-    if Y // pages_per_block <= unroll_blocks:
-        carry = init
-        for j in range(Y // pages_per_block):
-            carry = body(j, carry)
-        _, l, acc = carry
-    else:
-        _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]         # a row with no key gives zeros
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, N, H).astype(q_BTNH.dtype)
 

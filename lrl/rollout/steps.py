@@ -77,11 +77,6 @@ class EngineConfig:
     # an SM.
     decode_block_pages: int = 4      # pages per compute block of decode attention
     prefill_block_pages: int = 64    # pages per block when a prefill chunk reads the pages
-    # A prefill chunk over rows of at most this many blocks reads them all, unrolled, with no
-    # device loop: a loop's trip count is read back by the host once a layer, and a
-    # multi-turn rollout runs such chunks (the observations' prefill) every round. Whether
-    # that is faster on a GPU is not yet measured (docs/rollout.md).
-    prefill_unroll_blocks: int = 4
     pallas_k_splits: int = 4         # splits of the kv axis in the Pallas kernel
     pallas_warps: int = 4            # Triton warps per program of the Pallas kernel
     pallas_stages: int = 1           # Triton software-pipelining stages of its page loop
@@ -302,7 +297,7 @@ def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_val
         if first:
             return pa.chunk_self_attention(q, k, v)
         return pa.paged_attention_xla(q, pos_BC, kp, vp, table_BY, kv_len_B, base,
-                                      ecfg.prefill_block_pages, ecfg.prefill_unroll_blocks)
+                                      ecfg.prefill_block_pages)
 
     x_BCD = (_embed(cfg, params, tokens_BC) if embeds_BCD is None
              else embeds_BCD.astype(cfg.dtype))
