@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lrl import compile_cache
+from lrl import compile_cache, compiles
 from lrl import loop
 from lrl.rl import budget as budget_lib
 from lrl.rl import update as update_lib
@@ -118,6 +118,13 @@ def test_the_second_start_loads_programs_and_skips_the_budget_search(tmp_path, m
     need = update_lib.need_bytes
     monkeypatch.setattr(update_lib, "need_bytes",
                         lambda u, p, spec, *a: searched.append(spec) or need(u, p, spec, *a))
+    ran = set()   # the update's micro-batch shapes the steps ran (warm-up included)
+    accumulated = update_lib.run_accumulated
+    monkeypatch.setattr(update_lib, "run_accumulated", lambda programs, state, mbs, *a: (
+        ran.update(mb["tokens"].shape for mb in mbs) or accumulated(programs, state, mbs, *a)))
+    shapes = update_lib.compile_shapes
+    monkeypatch.setattr(update_lib, "compile_shapes", lambda u, params, mbs, *a: (
+        ran.update(mb["tokens"].shape for mb in mbs) or shapes(u, params, mbs, *a)))
     hits = _count_hits()
     written = []
     note = loop.MetricsWriter.note
@@ -127,9 +134,14 @@ def test_the_second_start_loads_programs_and_skips_the_budget_search(tmp_path, m
     for name in ("a", "b"):
         jax.clear_caches()   # a new process's start: no program in memory
         del searched[:], hits[:]
-        t = time.perf_counter()
+        ran.clear()
+        t, counted = time.perf_counter(), compiles.snapshot()
         out = loop.run(c, str(tmp_path / name))
         starts.append((time.perf_counter() - t, len(searched), len(hits)))
+        if name == "a":
+            # Each shape compiles once: the search's programs are the ones the steps run.
+            distinct = {spec["tokens"].shape for spec in searched} | ran
+            assert compiles.since(counted).get("jit(_accumulate)") == len(distinct), distinct
         notes.append([x for x in written if x.startswith("update micro-batch")][-1])
         assert np.isfinite(out["grpo"]["loss"])
     print(f"\nstarts (s, search compiles, programs loaded): {starts}")

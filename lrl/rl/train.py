@@ -176,6 +176,18 @@ class _Start:
                                    else jax.jit(fn, out_shardings=self._out_shardings))
         return self._programs[key](params)
 
+    def abstract(self, params, mb, *args):
+        """What `self(params, mb, *args)` returns, as ShapeDtypeStructs with the shardings the
+        program gives it. `accumulate` compiled on these (to read its memory, `lrl.rl.budget`)
+        is then the very program a step runs, which the persistent cache serves it; without
+        the shardings it was another program, compiled again in step 1."""
+        shapes = jax.eval_shape(self, params, mb, *args)
+        if self._out_shardings is None:
+            return shapes
+        return jax.tree.map(lambda sh, part: jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), part),
+            self._out_shardings, shapes)
+
 
 def _accumulate(params, acc: Accumulator, mb, *args, micro_loss, mesh):
     (_, m), g = jax.value_and_grad(micro_loss, has_aux=True)(params, mb, *args)

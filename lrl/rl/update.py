@@ -326,7 +326,7 @@ def _abstract(x):
 
 
 def _abstract_accumulator(u: UpdatePrograms, params, mb_spec, extra_spec):
-    return jax.eval_shape(u.programs.start, params, mb_spec, _DENOMS, extra_spec)
+    return u.programs.start.abstract(params, mb_spec, _DENOMS, extra_spec)
 
 
 def _device_bytes(tree) -> int:
