@@ -10,7 +10,8 @@ Runs (all share one compile cache, `<out>/.lrl-cache`, which `first` starts empt
 - `first`, `second`: the same command twice in fresh workdirs: the second start finds the
   compiled programs and the update's micro-batch budget on disk (`lrl.compile_cache`).
 - `sync`, `partial`: `--steps` steps synchronous, then with `--config.rollout.partial=True`
-  alone (its default tail cut): what the switch does to a step.
+  alone (its default tail cut): what the switch does to a step. `partial-s256` (or `sync-sN`):
+  the same with `rollout.max_slots=256`.
 The table: wall seconds of the process, step 1's seconds (compiles and the budget search
 included), programs loaded from the cache, C++ log lines (`E1204 ...`, `W1204 ...`) that
 reached the console, and from step 3 on the mean step, rollout, slot occupancy and whole-step
@@ -138,6 +139,13 @@ def main():
         subprocess.run(["rm", "-rf", cache])
     plan = {"first": (a.start_steps, {}), "second": (a.start_steps, {}),
             "sync": (a.steps, {}), "partial": (a.steps, {"rollout.partial": True})}
+    for n in runs:   # `partial-s256`: the partial run with rollout.max_slots=256
+        base, _, slots = n.partition("-s")
+        if n not in plan and base in ("sync", "partial") and slots.isdigit():
+            plan[n] = (a.steps, {**plan[base][1], "rollout.max_slots": int(slots)})
+        elif n not in plan:
+            ap.error(f"--runs: unknown run {n!r} (first, second, sync, partial, sync-sN, "
+                     "partial-sN)")
     results = [run_one(n, a.out, plan[n][0], {"compile_cache": cache, **plan[n][1]}, a.smoke,
                        a.timeout)
                for n in runs]
