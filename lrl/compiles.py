@@ -9,7 +9,9 @@ makes, never a shape) and a test can hold it to that.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
+import time
 
 _COUNTS: collections.Counter = collections.Counter()
 _SECONDS: collections.Counter = collections.Counter()   # compile seconds, by function name
@@ -80,3 +82,35 @@ def describe(spent: dict, counts: dict, n: int = 6) -> str:
     """`name x count s, ...`, the costliest first: where a start's compile time went."""
     return ", ".join(f"{name} x{counts.get(k, 0)} {v:.1f} s"
                      for k, name, v in _costliest(spent, n))
+
+
+class Background:
+    """`fn(item)` for each of `items` on a daemon thread, in order: programs compiled while
+    the caller goes on (the update's other shapes while the first rollout runs; jax's caches
+    then serve the step that calls them). `wait()` before anything could compile the same
+    program: two threads that miss jax's cache at once both compile. A failure is logged and
+    dropped: the caller's own call compiles the program then, and raises what it raises."""
+
+    def __init__(self, fn, items, name: str = "lrl-compile"):
+        self._done = threading.Event()
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._run, args=(fn, list(items)), name=name,
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, items) -> None:
+        t0 = time.perf_counter()
+        try:
+            for item in items:
+                fn(item)
+        except Exception as e:   # noqa: BLE001 (the foreground compile reports it)
+            logging.getLogger(__name__).info("compiling ahead stopped at %s: %s", item, e)
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self._done.set()
+
+    def wait(self) -> float:
+        """Blocks until every item is done -> the seconds this call waited."""
+        t0 = time.perf_counter()
+        self._done.wait()
+        return time.perf_counter() - t0

@@ -232,6 +232,8 @@ def warm_up(s: Setup, live: Live, params, batches: list[Minibatch]) -> None:
     step first needs one (`live.warmed`: the shapes run so far). The step's metrics see
     nothing of it."""
     from lrl.rl.update import compile_shapes
+    if s.ahead is not None:   # the shapes compiling since the build: theirs, not again here
+        s.ahead.wait()
     cut = _cut(s)
     seen = {mb["tokens"].shape for b in batches for mb in b.micro}
     ahead = [(cut.shards * k, n) for k, n in cut.shapes()

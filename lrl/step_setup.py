@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from jax.sharding import Mesh
     from transformers import PreTrainedTokenizerBase
 
+    from lrl.compiles import Background
     from lrl.models.config import ModelConfig
     from lrl.options import RLOptions, RolloutOptions
     from lrl.ppo import PPO
@@ -62,6 +63,9 @@ class Setup:
     # Row lengths below row_len a minibatch's last rows are cut to, longest first
     # (`lrl.rl.budget.row_lengths`); () cuts none.
     buckets: tuple[int, ...] = ()
+    # The update's shapes compiling on a thread while the first rollout runs (`build.setup`);
+    # the first warm-up waits for them (`lrl.grpo.warm_up`).
+    ahead: Optional[Background] = None
 
 
 @dataclasses.dataclass

@@ -4,6 +4,7 @@ the budget search never compiles a shape whose logits alone cannot fit."""
 import json
 import re
 import os
+import threading
 import time
 
 import jax
@@ -108,16 +109,19 @@ def test_the_search_never_compiles_a_shape_whose_logits_cannot_fit():
 def test_the_second_start_loads_programs_and_skips_the_budget_search(tmp_path, monkeypatch):
     """Two runs of one config in two workdirs side by side (one `.lrl-cache`), device memory
     faked so the budget is searched: the second compiles nothing for the search, loads its
-    programs from disk and sizes its micro-batches as the first did."""
+    programs from disk and sizes its micro-batches as the first did. Rows of 256 with a
+    minibatch's last rows cut to 128: a shape the search never compiles, compiled ahead."""
     c = tiny_config(max_tokens_per_micro=0)
+    c.rl.row_len = 256
     c.sft.steps = 0
     c.rl.steps = 1
     c.eval.every = 0
     monkeypatch.setattr(budget_lib, "device_memory", lambda device: (64 << 20, 0))
-    searched = []
+    searched, ahead = [], []   # shapes compiled by the search, and on the build's thread
     need = update_lib.need_bytes
-    monkeypatch.setattr(update_lib, "need_bytes",
-                        lambda u, p, spec, *a: searched.append(spec) or need(u, p, spec, *a))
+    monkeypatch.setattr(update_lib, "need_bytes", lambda u, p, spec, *a: (
+        searched if threading.current_thread() is threading.main_thread() else ahead
+    ).append(spec) or need(u, p, spec, *a))
     ran = set()   # the update's micro-batch shapes the steps ran (warm-up included)
     accumulated = update_lib.run_accumulated
     monkeypatch.setattr(update_lib, "run_accumulated", lambda programs, state, mbs, *a: (
@@ -133,15 +137,17 @@ def test_the_second_start_loads_programs_and_skips_the_budget_search(tmp_path, m
     starts, notes = [], []
     for name in ("a", "b"):
         jax.clear_caches()   # a new process's start: no program in memory
-        del searched[:], hits[:]
+        del searched[:], ahead[:], hits[:]
         ran.clear()
         t, counted = time.perf_counter(), compiles.snapshot()
         out = loop.run(c, str(tmp_path / name))
         starts.append((time.perf_counter() - t, len(searched), len(hits)))
         if name == "a":
-            # Each shape compiles once: the search's programs are the ones the steps run.
-            distinct = {spec["tokens"].shape for spec in searched} | ran
+            # Each shape compiles once: the search's programs, and those compiled ahead on a
+            # thread while the rollout ran, are the ones the steps run.
+            distinct = {spec["tokens"].shape for spec in searched + ahead} | ran
             assert compiles.since(counted).get("jit(_accumulate)") == len(distinct), distinct
+            assert 128 in {spec["tokens"].shape[1] for spec in ahead}
         notes.append([x for x in written if x.startswith("update micro-batch")][-1])
         assert np.isfinite(out["grpo"]["loss"])
     print(f"\nstarts (s, search compiles, programs loaded): {starts}")

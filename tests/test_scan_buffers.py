@@ -51,6 +51,31 @@ def test_scan_outputs_are_allocated_not_zero_filled_inside_the_context_only():
     assert loops._empty_array is original
 
 
+def test_the_change_holds_only_in_the_thread_inside_the_context():
+    """The update's shapes compile on a thread while the rollout lowers its programs on the
+    main one (`lrl.compiles.Background`): the rollout's must keep jax's lowering."""
+    import threading
+    w, x = jnp.ones((4, 8, 8)), jnp.ones((3, 8))
+    inside, go, done, text = threading.Event(), threading.Event(), threading.Event(), {}
+
+    def other():   # enters the context, then holds it open while the main thread lowers
+        with uninitialised_scan_outputs():
+            text["inside"] = _cuda_text(jax.value_and_grad(lambda *a: _loss(*a)), w, x)
+            inside.set()
+            go.wait(30)
+        done.set()
+    t = threading.Thread(target=other)
+    t.start()
+    assert inside.wait(60)
+    outside = _cuda_text(jax.value_and_grad(lambda *a: _loss(*a)), w, x)
+    go.set()
+    t.join(60)
+    assert done.is_set()
+    assert text["inside"].count("AllocateBuffer") == 3 and "AllocateBuffer" not in outside
+    loops = importlib.import_module("jax._src.lax.control_flow.loops")
+    assert loops._empty_array.__name__ != "empty_array"   # jax's own again
+
+
 def test_update_fn_lowered_with_uninitialised_scans_equals_zero_filled():
     tx = optax.adamw(1e-3)
     fn = upd.make_update_fn(CFG, LOSS, tx, chunk=4)

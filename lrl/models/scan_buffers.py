@@ -22,7 +22,17 @@ import threading
 
 import jax
 
-_LOCK = threading.RLock()   # reentrant: a step may be lowered inside another's context
+_LOCK = threading.Lock()
+# The patch is process-wide (jax's module attribute) but acts only in the threads inside the
+# context: a program another thread lowers meanwhile (the rollout's, while the update's next
+# shapes compile on a thread, `lrl.compiles.Background`) keeps jax's lowering, so its
+# persistent-cache key does not depend on timing.
+_LOCAL = threading.local()
+_ACTIVE = [0, None]   # threads inside the context, jax's own `_empty_array`
+
+
+def _inside() -> bool:
+    return getattr(_LOCAL, "depth", 0) > 0
 
 
 def _uninitialised(original):
@@ -30,6 +40,8 @@ def _uninitialised(original):
 
     def empty_array(prefix, length_spec, aval):
         zeros = original(prefix, length_spec, aval)   # its aval carries jax's sharding rules
+        if not _inside():
+            return zeros
         if getattr(aval, "memory_space", None) not in (None, core.MemorySpace.Device):
             return zeros                              # host-offloaded stacks keep jax's way
         out = jax.lax.empty(zeros.shape, zeros.dtype, out_sharding=zeros.aval.sharding)
@@ -40,18 +52,27 @@ def _uninitialised(original):
 
 @contextlib.contextmanager
 def uninitialised_scan_outputs(enabled: bool = True):
-    """Lower scans with uninitialised stacked outputs while inside; yields whether it could."""
+    """Lower scans with uninitialised stacked outputs while inside (this thread's lowerings
+    only); yields whether it could."""
     loops = importlib.import_module("jax._src.lax.control_flow.loops")
-    original = getattr(loops, "_empty_array", None)
-    if not enabled or original is None or not hasattr(jax.lax, "empty"):
+    if not enabled or getattr(loops, "_empty_array", None) is None or not hasattr(jax.lax,
+                                                                                 "empty"):
         yield False
         return
     with _LOCK:
-        loops._empty_array = _uninitialised(original)
-        try:
-            yield True
-        finally:
-            loops._empty_array = original
+        if _ACTIVE[0] == 0:
+            _ACTIVE[1] = loops._empty_array
+            loops._empty_array = _uninitialised(_ACTIVE[1])
+        _ACTIVE[0] += 1
+    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+    try:
+        yield True
+    finally:
+        _LOCAL.depth -= 1
+        with _LOCK:
+            _ACTIVE[0] -= 1
+            if _ACTIVE[0] == 0:
+                loops._empty_array = _ACTIVE[1]
 
 
 class UninitialisedScanJit:
