@@ -168,7 +168,7 @@ def from_config(config, check_files: bool = True) -> Options:
     # `distributed` may leave out fields (its defaults: schema.Distributed) and stays a dict;
     # lrl.distributed imports jax, so only here.
     from lrl import distributed
-    sections["rollout"] = _resolve_tail(sections["rollout"])
+    sections["rollout"] = _resolve_slots(_resolve_tail(sections["rollout"]), sections["rl"])
     opts = Options(job=job, task=task, seed=schema.coerce("seed", top["seed"], int),
                    distributed=distributed.settings(top.get("distributed", {})),
                    # a config from before the key (a checkpoint's) keeps the cache on
@@ -302,6 +302,23 @@ def _resolve_tail(ro: RolloutOptions) -> RolloutOptions:
         raise ValueError(f"rollout.partial_tail={ro.partial_tail}: a share of the slots in "
                          "[0, 1), or -1 for the default")
     return dataclasses.replace(ro, partial_tail=PARTIAL_TAIL if ro.partial else 0.0)
+
+
+# The most slots `rollout.max_slots=0` gives. A decode step reads every weight whatever its
+# rows, so on a GPU more slots cost little until the step turns compute-bound: at Qwen2.5-1.5B
+# shapes on one H100 (64 prompts x 8, partial rollouts) a step took 8.2 s at 128 slots, 6.3 s
+# at 256 and 4.4 s at 512 (whole-step MFU 26%, 32%, 35%; BENCHMARKS.md "Start-up"). On 2 CPU
+# cores the embedded default's steps took 5.1 s at 256 against 5.8 s at 128 (one job).
+AUTO_SLOTS = 512
+
+
+def _resolve_slots(ro: RolloutOptions, rl: RLOptions) -> RolloutOptions:
+    """`rollout.max_slots=0` (the default): a step's samples, so none waits for a slot, at
+    most AUTO_SLOTS."""
+    if ro.max_slots:
+        return ro
+    return dataclasses.replace(ro, max_slots=min(rl.prompts_per_step * rl.group_size,
+                                                 AUTO_SLOTS))
 
 
 def _check_partial(o: Options) -> None:

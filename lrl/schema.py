@@ -326,7 +326,8 @@ class Rollout:
 
     Built once for the run: its pool, compiled programs and decode-layout weights are kept."""
     page_size: int = field(16, "tokens of one KV-cache page", ge=1)
-    max_slots: int = field(128, "samples decoded at once", ge=1)
+    max_slots: int = field(0, "samples decoded at once; 0 = a step's samples "
+                           "(rl.prompts_per_step x rl.group_size), at most 512", ge=0)
     pool_tokens: int = field(0, "KV pool in tokens; 0: from pool_fraction", ge=0)
     pool_fraction: float = field(0.4, "share of the device memory the train state leaves, for "
                                  "the pool (capped at every slot's longest sample; a CPU, which "

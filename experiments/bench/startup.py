@@ -131,7 +131,7 @@ def main():
     a = ap.parse_args()
     a.prompts = (SMOKE_RL if a.smoke else RL)["prompts_per_step"]
     a.group = (SMOKE_RL if a.smoke else RL)["group_size"]
-    a.slots = 128   # configs/default.py's rollout.max_slots
+    a.slots = min(a.prompts * a.group, 512)   # rollout.max_slots=0: the step's samples, at most 512
     os.makedirs(a.out, exist_ok=True)
     cache = os.path.join(a.out, ".lrl-cache")
     runs = a.runs.split(",")
