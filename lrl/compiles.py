@@ -93,20 +93,17 @@ class Background:
 
     def __init__(self, fn, items, name: str = "lrl-compile"):
         self._done = threading.Event()
-        self.seconds = 0.0
         self._thread = threading.Thread(target=self._run, args=(fn, list(items)), name=name,
                                         daemon=True)
         self._thread.start()
 
     def _run(self, fn, items) -> None:
-        t0 = time.perf_counter()
         try:
             for item in items:
                 fn(item)
         except Exception as e:   # noqa: BLE001 (the foreground compile reports it)
             logging.getLogger(__name__).info("compiling ahead stopped at %s: %s", item, e)
         finally:
-            self.seconds = time.perf_counter() - t0
             self._done.set()
 
     def wait(self) -> float:
