@@ -41,7 +41,8 @@ def get_config(arg: str | None = None):
     c.rollout.update(page_size=16, max_slots=256, pool_tokens=0, pool_fraction=0.4,
                      prefill_tokens=16384,
                      # Partial rollouts (docs/partial-rollouts.md): a step stops decoding in
-                     # the tail (half the slots idle) and its unfinished samples go on in the
+                     # the tail (fewer than an eighth of its samples live: 1.5b, 64 of 256
+                     # slots; 7b, 32) and its unfinished samples go on in the
                      # next step, each token trained against the log-prob of the policy that
                      # drew it; a group spanning more than max_staleness versions is dropped
                      # (counted: partial/dropped_stale_groups). 4, not 2: a 15K-token answer

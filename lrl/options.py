@@ -168,7 +168,8 @@ def from_config(config, check_files: bool = True) -> Options:
     # `distributed` may leave out fields (its defaults: schema.Distributed) and stays a dict;
     # lrl.distributed imports jax, so only here.
     from lrl import distributed
-    sections["rollout"] = _resolve_slots(_resolve_tail(sections["rollout"]), sections["rl"])
+    sections["rollout"] = _resolve_tail(_resolve_slots(sections["rollout"], sections["rl"]),
+                                        sections["rl"])
     opts = Options(job=job, task=task, seed=schema.coerce("seed", top["seed"], int),
                    distributed=distributed.settings(top.get("distributed", {})),
                    # a config from before the key (a checkpoint's) keeps the cache on
@@ -287,29 +288,38 @@ def _check_ppo(o: Options) -> None:
                          f"{rl.loss.ratio_level!r}")
 
 
-# The tail share `rollout.partial=True` stops at unless told (`rollout.partial_tail=-1`):
-# measured on one H200 (Qwen2.5-1.5B shapes, 64 prompts x 8, 8K new tokens) a step took 8.5 s
-# synchronous, 9.1 s with partial rollouts stopping on finished groups alone (the last group
-# finishes in the tail: nothing was cut), and 5.4 s at 0.5 (slot occupancy 27% -> 86%).
-PARTIAL_TAIL = 0.5
+# The most slots `rollout.max_slots=0` gives. A decode step reads every weight whatever its
+# rows, so on a GPU more slots cost little until the step turns compute-bound: at Qwen2.5-1.5B
+# shapes on one H100 (64 prompts x 8, partial rollouts) the rollout took 4.7 s a step at 128
+# slots and 2.0 s at 512, the trained tokens a second 20.3K and 25.2K (BENCHMARKS.md
+# "Start-up"). On 2 CPU cores the embedded default's steps took 5.1 s at 256 against 5.8 s at
+# 128 (one job).
+AUTO_SLOTS = 512
+
+# `rollout.partial=True` stops in the tail, unless told (`rollout.partial_tail=-1`), once fewer
+# than a TAIL_SAMPLES share of the step's samples are live (at most half the slots). Measured on
+# one H200 at 128 slots (Qwen2.5-1.5B shapes, 64 prompts x 8, 8K new tokens): a step took 8.5 s
+# synchronous, 9.1 s stopping on finished groups alone and 5.4 s at half the slots (64 live, an
+# eighth of the samples). A share of the slots alone does not carry over to more slots: at 512
+# slots half of them is half the samples, carried into the next step, where a fifth of the
+# groups then grew older than rollout.max_staleness and were dropped (10-14 of 64 a step, H100).
+# An eighth of the samples drops ~1% in the schedule's simulation (experiments/bench/
+# partial_schedule.py), at 128 slots the same stop as before.
+TAIL_SAMPLES = 1 / 8
+PARTIAL_TAIL = 0.5   # the most of the slots
 
 
-def _resolve_tail(ro: RolloutOptions) -> RolloutOptions:
-    """`rollout.partial_tail=-1` (the default): PARTIAL_TAIL with partial rollouts, else 0."""
+def _resolve_tail(ro: RolloutOptions, rl: RLOptions) -> RolloutOptions:
+    """`rollout.partial_tail=-1` (the default): with partial rollouts, the share of the slots
+    that is TAIL_SAMPLES of a step's samples, at most PARTIAL_TAIL; without, 0. After
+    `_resolve_slots`."""
     if ro.partial_tail >= 0:
         return ro
     if ro.partial_tail != -1:
         raise ValueError(f"rollout.partial_tail={ro.partial_tail}: a share of the slots in "
                          "[0, 1), or -1 for the default")
-    return dataclasses.replace(ro, partial_tail=PARTIAL_TAIL if ro.partial else 0.0)
-
-
-# The most slots `rollout.max_slots=0` gives. A decode step reads every weight whatever its
-# rows, so on a GPU more slots cost little until the step turns compute-bound: at Qwen2.5-1.5B
-# shapes on one H100 (64 prompts x 8, partial rollouts) a step took 8.2 s at 128 slots, 6.3 s
-# at 256 and 4.4 s at 512 (whole-step MFU 26%, 32%, 35%; BENCHMARKS.md "Start-up"). On 2 CPU
-# cores the embedded default's steps took 5.1 s at 256 against 5.8 s at 128 (one job).
-AUTO_SLOTS = 512
+    share = min(PARTIAL_TAIL, TAIL_SAMPLES * rl.prompts_per_step * rl.group_size / ro.max_slots)
+    return dataclasses.replace(ro, partial_tail=share if ro.partial else 0.0)
 
 
 def _resolve_slots(ro: RolloutOptions, rl: RLOptions) -> RolloutOptions:

@@ -352,8 +352,9 @@ class Rollout:
                                 "overlap_admission's, in flight); 0 = stop on finished groups "
                                 "only", ge=0)
     partial_tail: float = field(-1.0, "also stop once no sample waits and fewer than this share "
-                                "of the slots are live (the tail); 0 = never; -1 = 0.5 with "
-                                "partial (measured: docs/partial-rollouts.md)", ge=-1, lt=1)
+                                "of the slots are live (the tail); 0 = never; -1 = with "
+                                "partial, an eighth of a step's samples, at most half the "
+                                "slots (docs/partial-rollouts.md)", ge=-1, lt=1)
     partial_seconds: float = field(0.0, "also stop once the rollout has run this long (checked "
                                    "after each decode call); 0 = no time budget", ge=0)
     partial_backlog: float = field(0.0, "> 0: new prompts are drawn until the unfinished samples "

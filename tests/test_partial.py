@@ -277,7 +277,8 @@ def test_partial_options_are_checked():
     with pytest.raises(ValueError, match="rollout.partial_seconds=2.5.*rollout.partial=True"):
         options.from_config(c, check_files=False)
     c.rollout.partial_seconds = 0.0
-    # The tail share: -1 (the default) is PARTIAL_TAIL with partial rollouts and 0 without, so
+    # The tail share: -1 (the default) is, with partial rollouts, an eighth of the step's
+    # samples as a share of the slots, at most half of them, and 0 without, so
     # `rollout.partial=True` alone stops in the tail; set without partial it is refused.
     assert options.from_config(c, check_files=False).rollout.partial_tail == 0.0
     c.rollout.partial_tail = 0.3
@@ -288,7 +289,12 @@ def test_partial_options_are_checked():
         options.from_config(c, check_files=False)
     c.rollout.partial_tail = -1.0
     c.rollout.partial = True
-    assert options.from_config(c, check_files=False).rollout.partial_tail == 0.5
+    ro = options.from_config(c, check_files=False).rollout   # 4 x 4 samples in 16 slots
+    assert (ro.max_slots, ro.partial_tail) == (16, 0.125)
+    for slots, share in ((8, 0.25), (4, 0.5), (2, 0.5)):   # 2 live of 16 samples, or half
+        c.rollout.max_slots = slots
+        assert options.from_config(c, check_files=False).rollout.partial_tail == share
+    c.rollout.max_slots = 0
     c.rollout.partial_tail = 0.0   # stop on finished groups (and budgets) only
     assert options.from_config(c, check_files=False).rollout.partial_tail == 0.0
     # Dynamic sampling and reinforce_pp run with partial rollouts.
