@@ -14,8 +14,9 @@ Runs (all share one compile cache, `<out>/.lrl-cache`, which `first` starts empt
   the same with `rollout.max_slots=256`.
 The table: wall seconds of the process, step 1's seconds (compiles and the budget search
 included), programs loaded from the cache, C++ log lines (`E1204 ...`, `W1204 ...`) that
-reached the console, and from step 3 on the mean step, rollout, slot occupancy and whole-step
-MFU (`grpo_step.flops_and_prediction`'s FLOP count over --peak-tflops).
+reached the console, and from step 3 on the mean step, rollout, slot occupancy, samples carried,
+groups dropped as stale, trained tokens a second and whole-step MFU
+(`grpo_step.flops_and_prediction`'s FLOP count over --peak-tflops).
 """
 from __future__ import annotations
 
@@ -151,20 +152,25 @@ def main():
                for n in runs]
     cfg = next((model_config(r, a.smoke) for r in results if r["rows"]), None)
     print("\n| run | exit | wall s | step 1 s | loaded from cache | C++ lines on console | "
-          "steps 3+: step s | rollout s | occupancy | carried | MFU |")
-    print("|" + "---|" * 11)
+          "steps 3+: step s | rollout s | occupancy | carried | dropped stale groups | "
+          "trained tok/s | MFU |")
+    print("|" + "---|" * 13)
     for r in results:
         rows, later = r["rows"], r["rows"][2:]
         first = rows[0] if rows else {}
         mean = lambda k: (sum(x.get(k, float("nan")) for x in later) / len(later)  # noqa: E731
                           if later else float("nan"))
         m = (sum(mfu(x, cfg, a) for x in later) / len(later)) if later else float("nan")
+        # MFU counts every sampled token, also those of groups dropped later as stale: the
+        # trained tokens a second say what the step delivers.
+        trained = (sum(x["pack/tokens"] for x in later) / sum(x["time/step_s"] for x in later)
+                   if later else float("nan"))
         print(f"| {r['name']} | {r['rc']} | {r['wall']:.0f} | "
               f"{first.get('time/step_s', float('nan')):.1f} | "
               f"{rows[-1].get('compile_cache/loaded', 0) if rows else 0:.0f} | "
               f"{r['cpp_lines']} | {mean('time/step_s'):.2f} | {mean('time/rollout_s'):.2f} | "
               f"{mean('rollout/occupancy'):.0%} | {mean('partial/carried_samples'):.0f} | "
-              f"{m:.1%} |")
+              f"{mean('partial/dropped_stale_groups'):.1f} | {trained:,.0f} | {m:.1%} |")
         for line in r["tail"]:
             print(f"    {line}")
     print("\nStep 1, where the time went: | run | step 1 s | before step 1 s | compile or load s "
