@@ -33,6 +33,7 @@ from lrl import mesh as mesh_lib
 from lrl import options as options_lib
 from lrl import pipeline as pipeline_lib
 from lrl import rollout as rollout_lib
+from lrl.data import packing
 from lrl.models import flash as flash_lib
 from lrl.rl import budget as budget_lib
 from lrl.rl import optim as optim_lib
@@ -248,20 +249,20 @@ def grpo(r: Run, state, tx, pool, critic_state=None, ppo_saved: Optional[dict] =
         buckets=lengths[1:],
         max_len=loss_cfg.max_len, prefill=prefill, engine=engine, decode=decode,
         # The frozen reference: the policy as this phase starts.
-        ref_params=ref_params, ahead=_compile_ahead(need, budget, lengths, memory))
+        ref_params=ref_params, ahead=_compile_ahead(
+            need, packing.Cut(shards, budget.rows_per_shard, lengths), memory))
     return s, step_setup.Live(ppo=p)
 
 
-def _compile_ahead(need, budget: budget_lib.Budget, lengths, memory):
-    """Every micro-batch shape of the update (`packing.Cut.shapes`: a minibatch's last rows
-    too) compiled on a thread while the first rollout runs, where the device computes and the
-    host has cores to spare; the search's shapes are compiled already (`need` keeps them).
-    None on a CPU (`memory` None), whose cores the rollout needs."""
+def _compile_ahead(need, cut: packing.Cut, memory):
+    """Every micro-batch shape of the update's `cut` (a minibatch's last rows too) compiled on
+    a thread while the first rollout runs, where the device computes and the host has cores
+    to spare; the search's shapes are compiled already (`need` keeps them). None on a CPU
+    (`memory` None), whose cores the rollout needs."""
     if memory is None:
         return None
-    shapes = dict.fromkeys([(budget.rows_per_shard, budget.row_len)]
-                           + [(1, n) for n in lengths])
-    return compiles.Background(lambda shape: need(*shape), shapes, name="lrl-update-shapes")
+    return compiles.Background(lambda shape: need(*shape), cut.shapes(),
+                               name="lrl-update-shapes")
 
 
 # ----------------------------------------------------------------------------- its update

@@ -132,7 +132,8 @@ def main():
     a = ap.parse_args()
     a.prompts = (SMOKE_RL if a.smoke else RL)["prompts_per_step"]
     a.group = (SMOKE_RL if a.smoke else RL)["group_size"]
-    a.slots = min(a.prompts * a.group, 512)   # rollout.max_slots=0: the step's samples, at most 512
+    from lrl.options import AUTO_SLOTS   # rollout.max_slots=0: the step's samples, at most
+    a.slots = min(a.prompts * a.group, AUTO_SLOTS)
     os.makedirs(a.out, exist_ok=True)
     cache = os.path.join(a.out, ".lrl-cache")
     runs = a.runs.split(",")
