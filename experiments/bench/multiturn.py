@@ -146,7 +146,14 @@ def run_once(engine, dparams, params, prompts, lengths, obs, limit, a, latency, 
                 prefill_s=stats["prefill_s"], observed=stats["observed_tokens"],
                 prefill_rounds=stats.get("prefill_rounds", 0),
                 extend_calls=stats.get("extend_calls", 0),
-                refilled=stats.get("refilled", 0), preempted=stats.get("preempted", 0))
+                refilled=stats.get("refilled", 0), preempted=stats.get("preempted", 0),
+                # where the wall time went: the prefill rounds split into the prompts' and
+                # the observations' calls, the decode calls (from the first to the last
+                # collection, less the prefills timed in between) and the host's own work
+                **{k: stats.get(k, 0) for k in (
+                    "prefill_prompts_s", "prefill_observations_s", "prompt_rounds",
+                    "prompts_prefilled", "decode_s", "decode_calls", "host_admit_s",
+                    "host_grow_s", "host_collect_s")})
 
 
 def parser() -> argparse.ArgumentParser:

@@ -220,19 +220,30 @@ def _prefill(r: Rollout, prefixes: list, extensions: list = ()) -> None:
     """Fills the new prompts' pages, and resumed multi-turn samples' observations after
     theirs. Prefill reads the decode layout too: no layer sliced out of a stack per call,
     joined qkv and gate/up matmuls, compute-dtype weights."""
+    # Timed alone only with no decode call in flight (waiting on it would end the overlap);
+    # else it is in decode_s, as what the device ran between calls. The prompts' and the
+    # observations' calls are timed apart (one more wait between them, timed runs only).
+    alone = r.timed and r.in_flight is None
     t0 = time.perf_counter()
     if prefixes:
         r.device = (r.engine.run_prefill(r.dparams, r.device, prefixes) if r.prefill_fn is None
                     else r.prefill_fn(r.engine, r.params, r.device, prefixes))
+        r.st["prompts_prefilled"] += len(prefixes)
+        if alone:
+            jax.block_until_ready(r.device.k_pages)
+            r.st["prefill_prompts_s"] += time.perf_counter() - t0
+    t1 = time.perf_counter()
     if extensions:
         calls = r.engine.extend_calls(extensions)
         r.st["extend_calls"] += len(calls)
         r.device = r.engine.run_extend(r.dparams, r.device, calls)
+        if alone:
+            jax.block_until_ready(r.device.k_pages)
+            r.st["prefill_observations_s"] += time.perf_counter() - t1
     if r.timed:
         r.st["prefill_rounds"] += 1   # admissions that prefilled
-        # Timed alone only with no decode call in flight (waiting on it would end the
-        # overlap); else it is in decode_s, as what the device ran between calls.
-        if r.in_flight is None:
+        r.st["prompt_rounds"] += bool(prefixes)
+        if alone:
             jax.block_until_ready(r.device.k_pages)
             dt = time.perf_counter() - t0
             r.t_prefill += dt
