@@ -748,8 +748,10 @@ class Engine:
 
     def with_page_table(self, decode_state: DecodeState) -> DecodeState:
         """The decode state with every slot's page row as the host holds it (after `grow`)."""
-        table = np.stack([self.page_row(p if p is not None else [])
-                          for p in self.slot_pages])
+        table = np.full((self.ecfg.max_slots, self.ecfg.pages_per_slot), NULL_PAGE, np.int32)
+        for s, pages in enumerate(self.slot_pages):
+            if pages:
+                table[s, :len(pages)] = pages
         return decode_state._replace(page_table=jax.device_put(
             table, decode_state.page_table.sharding))
 

@@ -48,11 +48,21 @@ class Slot:
     kept: object = None    # WAITING: its pages (`Kept`), None once released
     pending: object = None   # an observation to append when it resumes
     paused_at: float = 0.0
+    # `sampled`'s running count over the first `_seen` chunks: the scheduler asks it of every
+    # queued and live sample each round, and a long sample has a chunk per decode call
+    _seen: int = dataclasses.field(default=0, repr=False, compare=False)
+    _count: int = dataclasses.field(default=0, repr=False, compare=False)
 
     @property
     def sampled(self) -> int:
         """Tokens after the prompt (observations included)."""
-        return sum(len(c) for c in self.tokens)
+        n = len(self.tokens)
+        if n < self._seen:   # the list was replaced: count anew
+            self._seen = self._count = 0
+        while self._seen < n:
+            self._count += len(self.tokens[self._seen])
+            self._seen += 1
+        return self._count
 
     def history(self):
         """All its tokens after the prompt, int32."""

@@ -133,7 +133,7 @@ def admit(r: Rollout, keep: int, plans: list, new_prefixes: list, closed: list):
     while r.free and r.turn_queue:
         rec = r.turn_queue[0]
         p, g = rec.sample
-        left, first, history, held, need = _resume_need(r, rec)
+        left, first, length, held, need = _resume_need(r, rec)
         if e.pool.num_free - keep < need:
             if _reclaim(r, keep + need, rec):
                 continue   # its own pages may have gone: its need is counted anew
@@ -148,16 +148,17 @@ def admit(r: Rollout, keep: int, plans: list, new_prefixes: list, closed: list):
             r.st["prefill_tokens"] += ext.tokens.size
         else:
             _release(r, rec)
+            history = np.concatenate([r.prompts[p], rec.history()])
             pre = e.reserve_prefix(history)
             new_prefixes.append(pre)
             closed.append(pre)
             plan = e.reserve_slot(pre, s, sid, left, last=True, first_tokens=first)
             plan.steps = model
             r.st["refilled"] += 1
-            r.st["prefill_tokens"] += history.size - 1
+            r.st["prefill_tokens"] += length - 1
         plan.remaining = left
         rec.phase, rec.kept, rec.pending = Phase.LIVE, None, None
-        rec.cached, rec.since = history.size - 1, r.launched
+        rec.cached, rec.since = length - 1, r.launched
         r.slots[s] = rec
         r.admitted.append(s)
         plans.append(plan)
@@ -168,16 +169,18 @@ def admit(r: Rollout, keep: int, plans: list, new_prefixes: list, closed: list):
 
 
 def _resume_need(r: Rollout, rec: Slot):
-    """-> (tokens its turn may sample, the first call's share of them, its whole history,
-    whether its pages are still held, the pages it needs to take a slot)."""
+    """-> (tokens its turn may sample, the first call's share of them, its whole history's
+    length (prompt included), whether its pages are still held, the pages it needs to take a
+    slot). Asked of every queued sample each round (`queued_pages`): counts only, no copy of
+    its tokens."""
     e = r.engine
     left = turn_left(rec)
     first = min(r.policy.steps_per_call, left) if r.grow else left
-    history = np.concatenate([r.prompts[rec.sample[0]], rec.history()])
+    length = len(r.prompts[rec.sample[0]]) + rec.sampled
     held = rec.kept is not None and rec.pending is not None and e.holds(rec.kept)
     need = (e.extend_pages(rec.kept, rec.pending.size, first) if held else
-            e.sample_pages(history.size, first) + e.prefix_pages(history.size))
-    return left, first, history, held, need
+            e.sample_pages(length, first) + e.prefix_pages(length))
+    return left, first, length, held, need
 
 
 def queued_pages(r: Rollout) -> int:
