@@ -11,7 +11,7 @@ import pytest
 import lrl.models as models
 import lrl.rollout as rollout
 from lrl import compiles
-from lrl.rollout import scheduler
+from lrl.rollout import scheduler, steps
 
 CFG = models.ModelConfig(model_type="qwen2", vocab_size=64, d_model=32, n_layers=2, n_heads=4,
                          n_kv_heads=2, head_dim=8, mlp_dim=64, remat="none")
@@ -97,11 +97,12 @@ def reference(params, engine, prompt, key, script, cap=0):
             return tokens, logps, mask, "length", calls
 
 
-def _run(params, prompts, script, *, slots=3, pool_tokens=None, G=2, cap=0, **kw):
+def _run(params, prompts, script, *, slots=3, pool_tokens=None, G=2, cap=0,
+         extend_block_pages=0, **kw):
     request = rollout.Request(prompts, LIMIT, G, eos_ids=EOS, turns=script,
                               turn_end_ids=TURN_END, max_turn_tokens=cap, **kw)
     engine = rollout.engine_for(CFG, request, max_slots=slots, pool_tokens=pool_tokens,
-                                **_engine_sizes())
+                                extend_block_pages=extend_block_pages, **_engine_sizes())
     stats = {}
     result = scheduler.run(engine, params, request, stats=stats,
                            policy=rollout.Policy(steps_per_call=SIZES["steps_per_call"]))
@@ -141,6 +142,25 @@ def test_greedy_multi_turn_equals_a_loop_that_prefills_the_whole_history(setup):
     assert stats["steps_while_waiting"] > 0 and stats["occupancy_waiting"] > 0
     assert stats.get("refilled", 0) == 0 and stats.get("waiting_released", 0) == 0
     assert engine.pool.all_free() and all(s is None for s in engine.slot_pages)
+
+
+def test_observations_read_the_history_in_small_blocks_as_in_one(setup, monkeypatch):
+    # `extend_block_pages` of 2 (8 tokens): every observation's call reads its history over
+    # several blocks of the paged loop, where the default's one block holds it all.
+    params, prompts, ref = setup
+    blocks, real = [], steps.pa.paged_attention_xla
+
+    def spy(*args):
+        blocks.append(args[-1])     # pages_per_block, seen as each program traces
+        return real(*args)
+    monkeypatch.setattr(steps.pa, "paged_attention_xla", spy)
+    script = Script(turns=3)
+    room = len(prompts) * 2 * (max(map(len, prompts)) + LIMIT + 8)
+    result, stats, engine = _run(params, prompts, script, slots=3, pool_tokens=room,
+                                 extend_block_pages=2)
+    assert engine.ecfg.extend_pages_per_block == 2 < engine.ecfg.prefill_block_pages
+    assert stats["extend_calls"] > 0 and 2 in blocks
+    _check_against_reference(params, prompts, ref, result, script, G=2)
 
 
 def test_a_per_turn_cap_cuts_turns(setup):

@@ -114,6 +114,7 @@ def build(a, cfg):
         num_pages=a.n * pages_for(a.prompt + limit, ps) + 8 * a.slots + 1,
         max_prompts=a.n, page_size=ps, sampling=rollout.SamplingParams(1.0),
         turn_prefill_tokens=a.turn_prefill_tokens,
+        **({"extend_block_pages": a.extend_block_pages} if a.extend_block_pages else {}),
         **({"prefill_chunk": 64} if a.smoke else {}))
     return rollout.Engine(cfg, ecfg), prompts, lengths, obs, limit
 
@@ -172,6 +173,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps-per-call", type=int, default=16)
     ap.add_argument("--turn-prefill-tokens", type=int, default=1024,
                     help="EngineConfig.turn_prefill_tokens: an observation-prefill call's tokens")
+    ap.add_argument("--extend-block-pages", type=int, default=0,
+                    help="EngineConfig.extend_block_pages (0: the engine's default)")
     return ap
 
 

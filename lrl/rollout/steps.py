@@ -77,6 +77,10 @@ class EngineConfig:
     # an SM.
     decode_block_pages: int = 4      # pages per compute block of decode attention
     prefill_block_pages: int = 64    # pages per block when a prefill chunk reads the pages
+    # The same for a multi-turn observation's call (`Engine.run_extend`): a few dozen tokens a
+    # row over histories of hundreds, where a block of prefill_block_pages computes and masks
+    # scores for keys most rows do not have. 0: prefill_block_pages.
+    extend_block_pages: int = 0
     pallas_k_splits: int = 4         # splits of the kv axis in the Pallas kernel
     pallas_warps: int = 4            # Triton warps per program of the Pallas kernel
     pallas_stages: int = 1           # Triton software-pipelining stages of its page loop
@@ -145,10 +149,15 @@ class EngineConfig:
         return next((n for n in self.prefill_lengths if n >= cached), None)
 
     @property
+    def extend_pages_per_block(self) -> int:
+        """Pages per block when an observation's call reads the pages."""
+        return self.extend_block_pages or self.prefill_block_pages
+
+    @property
     def pages_per_slot(self) -> int:
         """Y, rounded up so that both attention paths tile it exactly."""
-        align = int(np.lcm(self.prefill_block_pages,
-                           self.decode_block_pages * self.pallas_k_splits))
+        align = int(np.lcm.reduce([self.prefill_block_pages, self.extend_pages_per_block,
+                                   self.decode_block_pages * self.pallas_k_splits]))
         return pages_for(self.max_pages_per_slot, align) * align
 
 
@@ -279,12 +288,13 @@ _DECODE_OPTIONS = {**_GEMM_OPTIONS, "xla_gpu_enable_command_buffer":
                    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ecfg", "first"),
+@functools.partial(jax.jit, static_argnames=("cfg", "ecfg", "first", "block_pages"),
                    donate_argnames=("k_pages", "v_pages"), compiler_options=_GEMM_OPTIONS)
 def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_valid_B, table_BY,
-                  first: bool, embeds_BCD=None, rope_pos_3BC=None):
+                  first: bool, embeds_BCD=None, rope_pos_3BC=None, block_pages: int = 0):
     """Writes the KV of tokens [start, start + n_valid) of each row into its pages. `first`:
     every row starts at 0, so the chunk attends only to itself (flash attention on GPU).
+    `block_pages`: pages per block of the paged read (0: `ecfg.prefill_block_pages`).
     Multimodal rows pass their input embeddings and M-RoPE positions instead of using the
     token embeddings and the cache index as rotary position."""
     C = tokens_BC.shape[1]
@@ -297,7 +307,7 @@ def prefill_chunk(cfg, ecfg, params, k_pages, v_pages, tokens_BC, start_B, n_val
         if first:
             return pa.chunk_self_attention(q, k, v)
         return pa.paged_attention_xla(q, pos_BC, kp, vp, table_BY, kv_len_B, base,
-                                      ecfg.prefill_block_pages)
+                                      block_pages or ecfg.prefill_block_pages)
 
     x_BCD = (_embed(cfg, params, tokens_BC) if embeds_BCD is None
              else embeds_BCD.astype(cfg.dtype))
