@@ -79,8 +79,7 @@ def main():
 
         def call(kp, vp):
             return steps.prefill_chunk(cfg, ecfg, params, kp, vp, tokens, start, n_valid,
-                                       table, first=first,
-                                       block_pages=ecfg.extend_pages_per_block)
+                                       table, first=first, block_pages=ecfg.extend_block_pages)
         for _ in range(2):                       # compile, then one warm call
             kp, vp = call(kp, vp)
         jax.block_until_ready(kp)

@@ -721,7 +721,7 @@ class Engine:
             start[r], n_valid[r] = x.start + at, chunk.size
             table[r] = self.page_row(x.pages)
         return prefill_chunk(self.cfg, self.ecfg, params, kp, vp, tokens, start, n_valid, table,
-                             first=False, block_pages=self.ecfg.extend_pages_per_block)
+                             first=False, block_pages=self.ecfg.extend_block_pages)
 
     def release_kept(self, handles) -> int:
         """Returns kept samples' pages to the pool (each to its own engine's); None and handles
