@@ -17,8 +17,9 @@ compute-dtype weights every forward reads (update, log-probs, rollout), `opt_sta
      the clip, applied to each block as it is updated;
   2. the element-wise rest (AdamW with its schedule, `inner`) once on the parameters outside
      the scanned layers, then in a `fori_loop` over the layers: layer l's masters and moments
-     are moved to the device, updated, moved back into their host buffers in place, and its
-     new weights cast into the compute-dtype parameters.
+     are moved to the device (copied in while layer l-1 is updated and copied out),
+     updated, moved back into their host buffers in place, and its new weights cast into
+     the compute-dtype parameters.
 
 The element-wise optimizer is called on a tree of the parameters' own structure in which
 the leaves outside the current block are empty arrays, so masks that read parameter paths
