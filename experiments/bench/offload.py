@@ -9,9 +9,11 @@ offload changes). Each case runs in its own subprocess (its own peak memory and 
 reports: the whole step and the apply alone (s, the mean of the steps after the first), tokens
 a second, MFU (6 * params + 6 * layers * T * width FLOPs a token, as train_step.py, against
 --peak-tflops 791, the H200's measured bf16 matmul rate), the first step (compiles included),
-peak device memory, the apply program's device and host bytes (XLA's memory analysis), and
-the share of one weight block that moved over the steps at lr 1e-6 (bf16 masters: most
-updates round away; fp32: they move; nan where the weights went NaN), and the last loss.
+peak device memory, the apply program's device and host bytes (XLA's memory analysis), the
+host link's rate (the apply's host bytes, in and back out, over its time: at one direction's
+rate the copies ran one after the other), the share of one weight block that moved over the
+steps at lr 1e-6 (bf16 masters: most updates round away; fp32: they move; nan where the
+weights went NaN), and the last loss.
 With bf16 masters and AdamW's b2=0.999 (configs/qwen2_5_math.py's) optax casts the injected
 b2 to bf16, where it is 1.0: the bias correction divides by zero and every update is NaN (on
 CPU as measured; the step time is still the step's).
@@ -197,17 +199,22 @@ def main():
             json.dump(results, f, indent=1)
     print(f"\nT={a.T} tokens a row, M={a.M} rows a step, lr 1e-6, total {time.time() - t_start:.0f} s")
     print("| model | masters | step s | apply s | tok/s | MFU | first step s | peak GiB | "
-          "apply device / host GiB | weights moved | loss |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "apply device / host GiB | host link GB/s | weights moved | loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     names = {"bf16": "bf16, device", "fp32": "fp32, device", "offload": "fp32, host (offload)"}
     for r in results:
         if "error" in r:
-            print(f"| {r['size']} | {names[r['mode']]} | {r['error']} | | | | | | | | |")
+            print(f"| {r['size']} | {names[r['mode']]} | {r['error']} | | | | | | | | | |")
             continue
+        # The apply copies the host bytes in and back out: their sum over its time, against
+        # the link's rate each way (PCIe Gen5 x16: 64 GB/s nominal) says whether the two
+        # directions overlapped.
+        link = (f"{2 * r['apply_host_gib'] * 2**30 / r['apply_s'] / 1e9:.0f}"
+                if r["apply_host_gib"] else "-")
         print(f"| {r['size']} | {names[r['mode']]} | {r['step_s']:.3f} | {r['apply_s']:.3f} | "
               f"{r['tokens_per_s']:.0f} | {r['tflops'] / a.peak_tflops:.1%} | "
               f"{r['first_step_s']:.1f} | {r['peak_gib']:.1f} | {r['apply_device_gib']:.1f} / "
-              f"{r['apply_host_gib']:.1f} | {r['moved']:.1%} | {r['loss']:.4f} |")
+              f"{r['apply_host_gib']:.1f} | {link} | {r['moved']:.1%} | {r['loss']:.4f} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,29 @@
+"""`experiments/bench/offload.py --smoke` (CPU, tiny shapes): bf16 masters, fp32 on the device
+and fp32 offloaded each take their steps in their own process and print a row; fp32 masters
+move at lr 1e-6 where bf16 ones mostly do not, and the two fp32 cases reach the same loss."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_offload_bench_smoke(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                              env.get("XLA_FLAGS", "")).strip()
+    out = tmp_path / "offload.json"
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench", "offload.py"), "--smoke",
+           "--out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    recs = {r["mode"]: r for r in json.loads(out.read_text())}
+    assert set(recs) == {"bf16", "fp32", "offload"}
+    assert not any("error" in r for r in recs.values()), recs
+    assert recs["fp32"]["moved"] > 0.9 and recs["offload"]["moved"] > 0.9
+    assert recs["bf16"]["moved"] < 0.5
+    assert abs(recs["fp32"]["loss"] - recs["offload"]["loss"]) < 1e-4
+    rows = [line for line in p.stdout.splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 3 and all(len(r.split("|")) == 14 for r in rows), rows
