@@ -291,10 +291,6 @@ def finish(state, grads, tx: Offload):
     p = [x if f else y.astype(x.dtype) for x, y, f in zip(p, m_r, in_layers)]
     s_out = [y if k == "S" else _to_host(y) if k == "R" else x for x, y, k in zip(s, s_r, kinds)]
     n_layers = next((x.shape[0] for x, f in zip(g, in_layers) if f), 0)
-    if not n_layers:
-        return (jax.tree.unflatten(treedef, p),
-                OffloadState(jax.tree.unflatten(treedef, m), jax.tree.unflatten(sdef, s_out)),
-                grad_norm, jnp.sqrt(sq))
 
     take = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # noqa: E731
     put = lambda buf, x, i: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0)  # noqa: E731
@@ -306,10 +302,10 @@ def finish(state, grads, tx: Offload):
 
     def layer(i, carry):
         m, s_l, p, sq, (m_dev, s_dev) = carry
-        # The next layer's copy in is issued before this layer's update and copy out, and
-        # does not depend on them, so the host link carries both directions at once (one
-        # layer after the other, the copies in and out of a 7B model's 91 GB each would run
-        # one direction at a time).
+        # The next layer's copy in is issued before this layer's update and copy out and does
+        # not depend on them, so the two directions may share the host link's time. Copied in
+        # within the layer's own iteration, 7B's 91 GB each way moved at one direction's rate
+        # (52 GB/s on an H100: BENCHMARKS.md, "Optimizer offload").
         nxt = fetch(m, s_l, jnp.minimum(i + 1, n_layers - 1))
         m_it, s_it = iter(m_dev), iter(s_dev)
         m_i, s_i, sq_i = _block(
@@ -324,8 +320,9 @@ def finish(state, grads, tx: Offload):
 
     # The loop carries only the layers' buffers (each updated in place, one slice a layer)
     # and the device copy of the layer it updates next.
-    m, s_out, p, sq, _ = jax.lax.fori_loop(0, n_layers, layer,
-                                           (m, s_out, p, sq, fetch(m, s_out, 0)))
+    if n_layers:
+        m, s_out, p, sq, _ = jax.lax.fori_loop(0, n_layers, layer,
+                                               (m, s_out, p, sq, fetch(m, s_out, 0)))
     return (jax.tree.unflatten(treedef, p),
             OffloadState(jax.tree.unflatten(treedef, m), jax.tree.unflatten(sdef, s_out)),
             grad_norm, jnp.sqrt(sq))
