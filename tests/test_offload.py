@@ -36,10 +36,10 @@ def _txs(cfg, clip=0.05, lr=1e-2):
     return on_device, off
 
 
-def _run(cfg, tx, mesh, steps=3, host_driven=False):
+def _run(cfg, tx, mesh, steps=3, host_driven=False, params=None):
     """`steps` updates from the same params and batches -> (state, metrics per step)."""
     sh = upd.train_state_shardings(cfg, tx, mesh)
-    params = jax.tree.map(jnp.array, _params())
+    params = jax.tree.map(jnp.array, _params() if params is None else params)
     state = train_lib.place_train_state(params, tx, sh)
     out = []
     if host_driven:   # the loop's path: accumulate per micro-batch, then apply
@@ -101,6 +101,21 @@ def test_offloaded_update_is_the_on_device_update(host_driven):
         for k in ("grad_norm", "update_norm", "learning_rate", "loss"):
             np.testing.assert_allclose(g[k], w[k], rtol=1e-5, err_msg=k)
     assert not np.allclose(np.asarray(masters["final_norm"]["scale"]), 1.0)
+
+
+def test_unscanned_layers_update_in_one_block():
+    """With `model.scan_layers=False` no parameter has a layer axis: the whole model is the
+    block outside the layers, and the step is still the on-device one."""
+    import dataclasses
+    cfg = dataclasses.replace(CFG, scan_layers=False)
+    params = models.init_params(cfg, jax.random.key(0))
+    assert not any(k == offload.LAYERS for k in params)
+    mesh = mesh_lib.make_mesh(MESH)
+    on_device, off = _txs(cfg)
+    want, _ = _run(cfg, on_device, mesh, steps=2, host_driven=True, params=params)
+    got, _ = _run(cfg, off, mesh, steps=2, host_driven=True, params=params)
+    _close(got.opt_state.masters, want.params, rtol=2e-6, atol=1e-5)
+    _close(got.params, want.params, rtol=2e-6, atol=1e-5)
 
 
 @pytest.mark.slow
