@@ -80,8 +80,8 @@ class EngineConfig:
     # The same for a multi-turn observation's call (`Engine.run_extend`): a few dozen tokens a
     # row over histories of hundreds, where a block of prefill_block_pages computes and masks
     # scores for keys most rows do not have. 0: prefill_block_pages. On the H100 the block did
-    # not matter (observations 2.46 s at 32 pages, 2.49 s at 64: each block's loop trip costs
-    # more than its scores; docs/benchmark-history.md, "Twenty-ninth session").
+    # not matter (observations 2.46 s at 32 pages, 2.49 s at 64: fewer masked keys, more loop
+    # trips; docs/benchmark-history.md, "Twenty-ninth session").
     extend_block_pages: int = 0
     pallas_k_splits: int = 4         # splits of the kv axis in the Pallas kernel
     pallas_warps: int = 4            # Triton warps per program of the Pallas kernel
