@@ -5,13 +5,13 @@ import re
 import subprocess
 import sys
 
+from tests.xla_env import one_device_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_extend_call_bench_smoke():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                              env.get("XLA_FLAGS", "")).strip()
+    env = one_device_env()
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench", "extend_call.py"),
            "--smoke", "--blocks", "64,8", "--histories", "300", "--repeats", "1"]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=400)

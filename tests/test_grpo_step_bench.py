@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.xla_env import one_device_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {"text": [], "video_qa": ["--case", "video_qa"],
          "long_context_ring": ["--case", "long_context_ring"],
@@ -20,10 +22,7 @@ CASES = {"text": [], "video_qa": ["--case", "video_qa"],
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The three smoke runs, side by side (each its own process and workdir)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    # One device, as the bench's rows run (the suite's 8 virtual CPU devices are not asked).
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                              env.get("XLA_FLAGS", "")).strip()
+    env = one_device_env()
     procs = {}
     for name, args in CASES.items():
         d = tmp_path_factory.mktemp(name)

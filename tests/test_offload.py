@@ -6,6 +6,7 @@ state (fake memory numbers, and Qwen2.5-7B's shapes on a 141 GB H200).
 On CPU the "pinned_host" memory kind exists (jax 0.10: CPU devices list it), so the arrays
 really carry it and the program really moves slices between the two spaces, but both are
 the same RAM: what these tests show is the math and the bookkeeping, not the saving."""
+import dataclasses
 import json
 import os
 
@@ -106,7 +107,6 @@ def test_offloaded_update_is_the_on_device_update(host_driven):
 def test_unscanned_layers_update_in_one_block():
     """With `model.scan_layers=False` no parameter has a layer axis: the whole model is the
     block outside the layers, and the step is still the on-device one."""
-    import dataclasses
     cfg = dataclasses.replace(CFG, scan_layers=False)
     params = models.init_params(cfg, jax.random.key(0))
     assert not any(k == offload.LAYERS for k in params)

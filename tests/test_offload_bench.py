@@ -3,17 +3,16 @@ and fp32 offloaded each take their steps in their own process and print a row; f
 move at lr 1e-6 where bf16 ones mostly do not, and the two fp32 cases reach the same loss."""
 import json
 import os
-import re
 import subprocess
 import sys
+
+from tests.xla_env import one_device_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_offload_bench_smoke(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                              env.get("XLA_FLAGS", "")).strip()
+    env = one_device_env()
     out = tmp_path / "offload.json"
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench", "offload.py"), "--smoke",
            "--out", str(out)]

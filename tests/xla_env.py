@@ -11,6 +11,8 @@ IEEE ones, only slower to run. Set `--xla_backend_optimization_level` yourself i
 test optimised code.
 """
 import importlib.metadata
+import os
+import re
 
 
 def _jaxlib_version() -> tuple:
@@ -30,3 +32,12 @@ def with_speed_flags(flags: str) -> str:
     if "xla_backend_optimization_level" in flags:
         return flags
     return f"{flags} {SPEED_FLAGS}".strip()
+
+
+def one_device_env(**extra) -> dict:
+    """The environment for a bench's `--smoke` process: this one's, on CPU, without the suite's
+    8 virtual devices (a bench's rows run on one device)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                              env.get("XLA_FLAGS", "")).strip()
+    return env

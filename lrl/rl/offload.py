@@ -306,7 +306,7 @@ def finish(state, grads, tx: Offload):
         # not depend on them, so the two directions may share the host link's time. Copied in
         # within the layer's own iteration, 7B's 91 GB each way moved at one direction's rate
         # (52 GB/s on an H100: BENCHMARKS.md, "Optimizer offload").
-        nxt = fetch(m, s_l, jnp.minimum(i + 1, n_layers - 1))
+        nxt = fetch(m, s_l, jnp.minimum(i + 1, n_layers - 1))   # the last: its own, unused
         m_it, s_it = iter(m_dev), iter(s_dev)
         m_i, s_i, sq_i = _block(
             tx, treedef, sdef, [clip(take(x, i)) if f else _empty(x) for x, f in zip(g, in_layers)],
