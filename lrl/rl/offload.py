@@ -17,9 +17,8 @@ compute-dtype weights every forward reads (update, log-probs, rollout), `opt_sta
      the clip, applied to each block as it is updated;
   2. the element-wise rest (AdamW with its schedule, `inner`) once on the parameters outside
      the scanned layers, then in a `fori_loop` over the layers: layer l's masters and moments
-     are moved to the device (copied in while layer l-1 is updated and copied out),
-     updated, moved back into their host buffers in place, and its new weights cast into
-     the compute-dtype parameters.
+     are moved to the device, updated, moved back into their host buffers in place, and its
+     new weights cast into the compute-dtype parameters.
 
 The element-wise optimizer is called on a tree of the parameters' own structure in which
 the leaves outside the current block are empty arrays, so masks that read parameter paths
@@ -292,37 +291,22 @@ def finish(state, grads, tx: Offload):
     s_out = [y if k == "S" else _to_host(y) if k == "R" else x for x, y, k in zip(s, s_r, kinds)]
     n_layers = next((x.shape[0] for x, f in zip(g, in_layers) if f), 0)
 
-    take = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # noqa: E731
-    put = lambda buf, x, i: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0)  # noqa: E731
-
-    def fetch(m, s_l, i):
-        """Layer i's masters and moments, copied to the device."""
-        return ([_to_device(take(x, i)) for x, f in zip(m, in_layers) if f],
-                [_to_device(take(y, i)) for y, k in zip(s_l, kinds) if k == "L"])
-
     def layer(i, carry):
-        m, s_l, p, sq, (m_dev, s_dev) = carry
-        # The next layer's copy in is issued before this layer's update and copy out and does
-        # not depend on them, so the two directions may share the host link's time. Copied in
-        # within the layer's own iteration, 7B's 91 GB each way moved at one direction's rate
-        # (52 GB/s on an H100: BENCHMARKS.md, "Optimizer offload").
-        nxt = fetch(m, s_l, jnp.minimum(i + 1, n_layers - 1))   # the last: its own, unused
-        m_it, s_it = iter(m_dev), iter(s_dev)
+        m, s_l, p, sq = carry
+        take = lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # noqa: E731
+        put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0)  # noqa: E731
         m_i, s_i, sq_i = _block(
-            tx, treedef, sdef, [clip(take(x, i)) if f else _empty(x) for x, f in zip(g, in_layers)],
-            [next(m_it) if f else _empty(x) for x, f in zip(m, in_layers)],
-            [x if k == "S" else next(s_it) if k == "L" else _empty(y)
+            tx, treedef, sdef, [clip(take(x)) if f else _empty(x) for x, f in zip(g, in_layers)],
+            [_to_device(take(x)) if f else _empty(x) for x, f in zip(m, in_layers)],
+            [x if k == "S" else _to_device(take(y)) if k == "L" else _empty(y)
              for x, y, k in zip(s, s_l, kinds)], in_layers, kinds)
-        m = [put(x, _to_host(y), i) if f else x for x, y, f in zip(m, m_i, in_layers)]
-        s_l = [put(x, _to_host(y), i) if k == "L" else x for x, y, k in zip(s_l, s_i, kinds)]
-        p = [put(x, y.astype(x.dtype), i) if f else x for x, y, f in zip(p, m_i, in_layers)]
-        return m, s_l, p, sq + sq_i, nxt
+        m = [put(x, _to_host(y)) if f else x for x, y, f in zip(m, m_i, in_layers)]
+        s_l = [put(x, _to_host(y)) if k == "L" else x for x, y, k in zip(s_l, s_i, kinds)]
+        p = [put(x, y.astype(x.dtype)) if f else x for x, y, f in zip(p, m_i, in_layers)]
+        return m, s_l, p, sq + sq_i
 
-    # The loop carries only the layers' buffers (each updated in place, one slice a layer)
-    # and the device copy of the layer it updates next.
-    if n_layers:
-        m, s_out, p, sq, _ = jax.lax.fori_loop(0, n_layers, layer,
-                                               (m, s_out, p, sq, fetch(m, s_out, 0)))
+    # The loop carries only the layers' buffers (each updated in place, one slice a layer).
+    m, s_out, p, sq = jax.lax.fori_loop(0, n_layers, layer, (m, s_out, p, sq))
     return (jax.tree.unflatten(treedef, p),
             OffloadState(jax.tree.unflatten(treedef, m), jax.tree.unflatten(sdef, s_out)),
             grad_norm, jnp.sqrt(sq))
