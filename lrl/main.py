@@ -6,21 +6,9 @@ comment; `--help` says the rest. A `--workdir` that holds a checkpoint resumes t
 Bad input (config, paths, data, tokenizer, checkpoint, memory) is one message and exit code 2
 (`lrl.errors`); `--verbosity` adds its traceback.
 """
-import os
+from lrl import xla_env
 
-# jax's GPU client takes 75% of the device unless told; the loop plans the rollout's pool and
-# the update's micro-batches from what the client may allocate (`lrl.rl.budget.USABLE` of it).
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-# Optimizer offload (`optim.offload`) keeps fp32 masters and Adam moments in pinned host
-# memory, which jax's GPU client caps at 64 GB unless told: Qwen2.5-7B's are ~91 GB, and the
-# H100 host's 7B run stopped at that cap (BENCHMARKS.md "Optimizer offload"). Let it take
-# most of the host.
-if "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" not in os.environ:
-    try:
-        _host_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(max(64, int(0.8 * _host_gb)))
-    except (ValueError, OSError, AttributeError):   # no sysconf: jax's default
-        pass
+xla_env.set_defaults()   # before jax is imported
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402

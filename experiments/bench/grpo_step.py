@@ -78,12 +78,14 @@ import time
 import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# jax's GPU client takes 75% of the device unless told; the loop plans its pool and update
-# from what the client may allocate, so a quarter of an H200 (35 GiB) went unused.
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 # This folder's profile.py would shadow the standard library's (torch imports cProfile).
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+from lrl import xla_env  # noqa: E402
+
+# As `python -m lrl.main`: the device's memory and (offloaded optimizers) the host's. Without
+# the host's, the 7B run with fp32 masters stopped placing them at jax's 64 GB cap.
+xla_env.set_defaults()
 
 # Model shapes of the configs' models (random weights here), with their vocabularies.
 SHAPES = {

@@ -49,6 +49,7 @@ SHAPES = {
 
 def _model(size: str, mode: str):
     import jax.numpy as jnp
+    mode = mode.partition("+")[0]
     from lrl.models import ModelConfig
     return ModelConfig(model_type="qwen2", rope_theta=1e6, qkv_bias=True, dtype=jnp.bfloat16,
                        param_dtype=jnp.bfloat16 if mode == "bf16" else jnp.float32,
@@ -57,6 +58,7 @@ def _model(size: str, mode: str):
 
 def _optimizer(cfg, mode: str):
     from lrl.rl import offload, optim
+    mode = mode.partition("+")[0]
     kw = dict(lr=1e-6, warmup_steps=1, total_steps=100)   # qwen2_5_math's lr
     if mode != "offload":
         return optim.make_optimizer(**kw, clip_norm=1.0)
@@ -100,7 +102,8 @@ def child(size: str, mode: str, T: int, M: int, repeats: int) -> dict:
     sh = train.train_state_shardings(cfg, tx, mesh)
     state = train.place_train_state(models.init_params(cfg, jax.random.key(0), mesh), tx, sh)
     before = _probe(state)
-    u = update.make_update_programs(cfg, losses.LossConfig(), tx, mesh, chunk=2048)
+    u = update.make_update_programs(cfg, losses.LossConfig(), tx, mesh, chunk=2048,
+                                    grad_sink=mode.endswith("+sink"))
     host = _micro_batches(cfg, T, M)
     denoms = update.host_denominators(host)
     mbs = [mesh_lib.put_batch(mesh, mb) for mb in host]
@@ -144,7 +147,9 @@ def child(size: str, mode: str, T: int, M: int, repeats: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default=CASES, help="size:mode, mode bf16 | fp32 | offload")
+    ap.add_argument("--cases", default=CASES, help="size:mode, mode bf16 | fp32 | offload, "
+                    "+sink after it: the layers' gradients added into the accumulator in the "
+                    "backward (lrl.models.grad_sink)")
     ap.add_argument("--T", type=int, default=8192, help="tokens in a row")
     ap.add_argument("--M", type=int, default=2, help="micro-batches (rows) a step")
     ap.add_argument("--repeats", type=int, default=2, help="timed steps after the first")
@@ -167,13 +172,11 @@ def main():
         return
     cases = a.cases.split(",")
     if a.smoke:
-        cases, a.T, a.M, a.repeats = ["tiny:bf16", "tiny:fp32", "tiny:offload"], 64, 2, 2
+        cases, a.T, a.M, a.repeats = (["tiny:bf16", "tiny:fp32", "tiny:offload",
+                                       "tiny:offload+sink"], 64, 2, 2)
+    from lrl import xla_env
     env = dict(os.environ)
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    # pinned host memory past jax's 64 GB default, as `python -m lrl.main` allows (7B's fp32
-    # masters and moments are ~91 GB)
-    env.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(max(
-        64, int(0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30))))
+    xla_env.set_defaults(env)   # as `python -m lrl.main`: 7B's masters and moments are ~91 GB
     t_start, results = time.time(), []
     for case in cases:
         left = a.budget_s - (time.time() - t_start)
@@ -203,15 +206,17 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     names = {"bf16": "bf16, device", "fp32": "fp32, device", "offload": "fp32, host (offload)"}
     for r in results:
+        base, _, sink = r["mode"].partition("+")
+        name = names[base] + (", layer gradients into the accumulator" if sink else "")
         if "error" in r:
-            print(f"| {r['size']} | {names[r['mode']]} | {r['error']} | | | | | | | | | |")
+            print(f"| {r['size']} | {name} | {r['error']} | | | | | | | | | |")
             continue
         # The apply copies the host bytes in and back out: their sum over its time, against
         # the link's rate each way (PCIe Gen5 x16: 64 GB/s nominal) says whether the two
         # directions overlapped.
         link = (f"{2 * r['apply_host_gib'] * 2**30 / r['apply_s'] / 1e9:.0f}"
                 if r["apply_host_gib"] else "-")
-        print(f"| {r['size']} | {names[r['mode']]} | {r['step_s']:.3f} | {r['apply_s']:.3f} | "
+        print(f"| {r['size']} | {name} | {r['step_s']:.3f} | {r['apply_s']:.3f} | "
               f"{r['tokens_per_s']:.0f} | {r['tflops'] / a.peak_tflops:.1%} | "
               f"{r['first_step_s']:.1f} | {r['peak_gib']:.1f} | {r['apply_device_gib']:.1f} / "
               f"{r['apply_host_gib']:.1f} | {link} | {r['moved']:.1%} | {r['loss']:.4f} |")

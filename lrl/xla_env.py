@@ -1,0 +1,24 @@
+"""What jax's GPU client reads once, as it starts, set by the entry points that run the loop
+(`python -m lrl.main`, the benchmarks that call it or the update) before jax is imported.
+Imports nothing of jax."""
+from __future__ import annotations
+
+import os
+
+
+def set_defaults(environ=os.environ) -> None:
+    """Leaves whatever the user set."""
+    # jax's GPU client takes 75% of the device unless told; the loop plans the rollout's pool
+    # and the update's micro-batches from what the client may allocate (`lrl.rl.budget.USABLE`
+    # of it): at 75% a quarter of an H200 (35 GiB) went unused.
+    environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    # Optimizer offload (`optim.offload`) keeps fp32 masters and Adam moments in pinned host
+    # memory, which jax's GPU client caps at 64 GB unless told: Qwen2.5-7B's are ~91 GB, and
+    # the H100 host's 7B run stopped at that cap (BENCHMARKS.md "Optimizer offload"). Let it
+    # take most of the host.
+    if "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" not in environ:
+        try:
+            host_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        except (ValueError, OSError, AttributeError):   # no sysconf: jax's default
+            return
+        environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(max(64, int(0.8 * host_gb)))
