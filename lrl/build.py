@@ -35,7 +35,9 @@ from lrl import pipeline as pipeline_lib
 from lrl import rollout as rollout_lib
 from lrl.data import packing
 from lrl.models import flash as flash_lib
+from lrl.models import grad_sink as grad_sink_lib
 from lrl.rl import budget as budget_lib
+from lrl.rl import offload as offload_lib
 from lrl.rl import optim as optim_lib
 from lrl.rl import train as train_lib
 from lrl.rl import update as update_lib
@@ -89,7 +91,6 @@ class Run:
 def offload(o: options_lib.OptimOptions, model_cfg, mesh):
     """-> (the model config when `optim.offload` puts masters and moments in host memory,
     else None; why), by `lrl.rl.offload.decide_for`."""
-    from lrl.rl import offload as offload_lib
     on, why = offload_lib.decide_for(o.offload, model_cfg, mesh)
     # The run's banner says it when on (lrl.loop); off, the plain run's case, stays quiet.
     (log.info if on else log.debug)("optimizer offload %s (%s)", "on" if on else "off", why)
@@ -189,8 +190,11 @@ def grpo(r: Run, state, tx, pool, critic_state=None, ppo_saved: Optional[dict] =
                  unit=sp_prefill.length_unit(opts.model.attention, mesh.shape["seq"]))
     cfg = update_model_config(task.model_cfg, rl_, sizes)
     kw = dict(chunk=rl_.logprob_chunk, hidden=task.hidden, extra_keys=task.extra_keys)
-    update = update_lib.make_update_programs(cfg, loss_cfg, tx, mesh,
-                                             fused_head=rl_.fused_head, **kw)
+    sink, why = grad_sink_lib.decide(opts.optim.grad_sink, remat=cfg.remat,
+                                     offloaded=offload_lib.is_offload(tx))
+    log.debug("layer gradients into the accumulator: %s (%s)", "on" if sink else "off", why)
+    update = update_lib.make_update_programs(cfg, loss_cfg, tx, mesh, fused_head=rl_.fused_head,
+                                             grad_sink=sink, **kw)
     shards = mesh_lib.data_shards(mesh)
     kl = bool(loss_cfg.kl_coef)
     # The frozen reference (the policy as this phase starts), made first: it takes memory.
@@ -392,6 +396,7 @@ def _budget_key(r: Run, cfg, loss_cfg, sizes: dict, state, memory, held=()) -> s
     return compile_cache.budget_key(
         model=cfg, model_options=o.model, loss=loss_cfg, sizes=sizes,
         update=(o.rl.logprob_chunk, o.rl.fused_head, o.rl.old_logp, o.rl.shared_prompt,
+                o.optim.grad_sink,
                 o.rl.group_size, o.rl.max_new_tokens, o.data.max_prompt_len),
         rollout=o.rollout, pipeline=o.pipeline, extra=(r.task.extra_keys, _name(r.task.hidden)),
         state=[(x.shape, x.dtype, str(x.sharding)) for x in jax.tree.leaves(state)],

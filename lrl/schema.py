@@ -275,6 +275,12 @@ class Optim:
                          "streamed a layer at a time by the optimizer step: 'auto' when the "
                          "device cannot hold them (never on CPU), 'on', 'off' "
                          "(docs/offload.md)", choices=("auto", "on", "off"))
+    grad_sink: str = field("auto", "the policy update adds each layer's weight gradient into "
+                           "the accumulator inside the backward, recomputing each layer whole "
+                           "(remat='full''s compute), instead of stacking all of them first "
+                           "(one copy of the layers' weights less): 'auto' when the optimizer "
+                           "is offloaded or model.remat='full', 'on', 'off' "
+                           "(lrl/models/grad_sink.py)", choices=("auto", "on", "off"))
 
 
 @_frozen

@@ -10,6 +10,7 @@ K kv heads · H head dim · L layers.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from lrl import mesh as mesh_lib
+from lrl.models import grad_sink
 from lrl.models.attention import attend
 from lrl.models.config import ModelConfig
 from lrl.models.layers import RMSNorm, apply_rope, remat_policy, rope_angles
@@ -109,7 +111,13 @@ class Decoder(nn.Module):
         """The decoder layers and the final norm on input embeddings (the VL decoder's
         entry: it splices visual rows into the embeddings first)."""
         x = x_BTD
-        if self.cfg.scan_layers:
+        sink = (None if not self.cfg.scan_layers or self.is_initializing()
+                else grad_sink.take(self.variables["params"]["layers"]))
+        if sink is not None:  # an accumulating step's layers (lrl.models.grad_sink)
+            x = grad_sink.layers(sink, functools.partial(_block, self.cfg, self.mesh),
+                                 self.variables["params"]["layers"], x,
+                                 (positions_BT, segment_ids_BT, prefix_ids_BT))
+        elif self.cfg.scan_layers:
             x, _ = self.layers(x, positions_BT, segment_ids_BT, prefix_ids_BT)
         else:
             for blk in self.blocks:
@@ -125,6 +133,13 @@ class Decoder(nn.Module):
     def __call__(self, tokens_BT, positions_BT, segment_ids_BT):
         x = self.hidden(tokens_BT, positions_BT, segment_ids_BT)
         return logits_from_hidden(x, self.unembedding())
+
+
+def _block(cfg, mesh, params, x_BTD, positions_BT, segment_ids_BT, prefix_ids_BT):
+    """One layer as a function of its weights (`lrl.models.grad_sink`'s layer)."""
+    # parent=None: a module of its own, not a submodule of the decoder that calls this
+    return Block(cfg, mesh, parent=None).apply({"params": params}, x_BTD, positions_BT,
+                                               segment_ids_BT, prefix_ids_BT)[0]
 
 
 def logits_from_hidden(x_BTD, w_DV):

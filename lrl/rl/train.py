@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lrl import mesh as mesh_lib
 from lrl import models
+from lrl.models import grad_sink
 from lrl.models.scan_buffers import UninitialisedScanJit
 from lrl.rl import offload as offload_lib
 from lrl.rl import optim
@@ -189,9 +190,37 @@ class _Start:
             self._out_shardings, shapes)
 
 
-def _accumulate(params, acc: Accumulator, mb, *args, micro_loss, mesh):
+def _accumulate(params, acc: Accumulator, mb, *args, micro_loss, mesh, sink: bool = False):
+    if sink and isinstance(params, dict) and "layers" in params:
+        out = _accumulate_into(params, acc, mb, args, micro_loss)
+        if out is not None:
+            return out
     (_, m), g = jax.value_and_grad(micro_loss, has_aux=True)(params, mb, *args)
     grads = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc.grads, g)
+    return Accumulator(grads, combine_metrics(acc.metrics, m))
+
+
+def _accumulate_into(params, acc: Accumulator, mb, args, micro_loss):
+    """`_accumulate` with the scanned layers' gradients added into the accumulator inside
+    the backward (`lrl.models.grad_sink`), or None when the loss's decoder did not take them
+    (another tree of weights, no scanned layers): the caller then differentiates as usual.
+    The layers' weights are not differentiated; the accumulator's layers are, and their
+    gradient is the new accumulator."""
+    layers = params["layers"]
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    sinks = []
+
+    def loss_of(rest_params, acc_L):
+        with grad_sink.into(acc_L, layers) as s:
+            sinks.append(s)
+            return micro_loss({**rest_params, "layers": layers}, mb, *args)
+
+    (_, m), (g_rest, acc_L) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(
+        rest, acc.grads["layers"])
+    if not (sinks[0].taken and sinks[0].backward_traced):
+        return None
+    grads = {k: acc_L if k == "layers" else jax.tree.map(
+        lambda a, b: a + b.astype(a.dtype), acc.grads[k], g_rest[k]) for k in params}
     return Accumulator(grads, combine_metrics(acc.metrics, m))
 
 
@@ -201,7 +230,8 @@ def _apply(state: TrainState, acc: Accumulator, *, tx):
 
 def make_accumulate_programs(micro_loss: Callable, model_cfg, tx, mesh=None, *,
                              uninit_scan: Optional[bool] = None,
-                             param_sh=None, state_sh=None) -> AccumulatePrograms:
+                             param_sh=None, state_sh=None,
+                             grad_sink: bool = False) -> AccumulatePrograms:
     """The three programs for `micro_loss(params, mb, *args) -> (loss, metrics)`, jitted once:
     `accumulate` compiles once per micro-batch shape, the others once. With a mesh the
     accumulator's gradients keep the parameters' sharding, the state keeps its own, metrics
@@ -211,7 +241,7 @@ def make_accumulate_programs(micro_loss: Callable, model_cfg, tx, mesh=None, *,
     and a value head, `lrl.rl.critic`)."""
     if uninit_scan is None:
         uninit_scan = mesh is None or mesh.size == 1
-    acc = functools.partial(_accumulate, micro_loss=micro_loss, mesh=mesh)
+    acc = functools.partial(_accumulate, micro_loss=micro_loss, mesh=mesh, sink=grad_sink)
     gdt = grad_dtype(tx)
     apply = functools.partial(_apply, tx=tx)
     if mesh is None:

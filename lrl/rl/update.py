@@ -263,12 +263,13 @@ def make_update_programs(model_cfg, loss_cfg, tx, mesh=None, *, chunk: int = 102
                          compute_entropy: bool = True, packed: bool = True,
                          fused_head: bool = True, uninit_scan: Optional[bool] = None,
                          hidden: Callable = models.batch_hidden_states,
-                         extra_keys: tuple = ()) -> UpdatePrograms:
+                         extra_keys: tuple = (), grad_sink: bool = False) -> UpdatePrograms:
     objective = Objective(model_cfg, loss_cfg, mesh, chunk, compute_entropy, packed, fused_head,
                           hidden)
     loss_fn = functools.partial(micro_loss, objective=objective)
     return UpdatePrograms(make_accumulate_programs(loss_fn, model_cfg, tx, mesh,
-                                                   uninit_scan=uninit_scan),
+                                                   uninit_scan=uninit_scan,
+                                                   grad_sink=grad_sink),
                           objective, tuple(extra_keys))
 
 
