@@ -97,16 +97,16 @@ def offload(o: options_lib.OptimOptions, model_cfg, mesh):
     return (model_cfg if on else None), why
 
 
-def optimizers(opts: options_lib.Options, offload_cfg=None) -> tuple:
+def optimizers(opts: options_lib.Options, offload_cfg=None, split_rest: bool = False) -> tuple:
     """-> (the SFT phase's optimizer or None, the GRPO phase's). Both have the same structure
     (only the schedules differ), so one abstract state restores either phase's checkpoint.
-    `offload_cfg`: `offload`'s model config, when the masters live in host memory."""
+    `offload_cfg`: `offload`'s model config, when the masters live in host memory;
+    `split_rest`: the parameters are not sharded (`lrl.rl.offload.Offload`)."""
     sft_steps, rl_steps = opts.sft.steps, opts.rl_steps
+    kw = dict(offload_cfg=offload_cfg, split_rest=split_rest)
     sft_tx = optim_lib.for_phase(opts.optim, sft_steps, lr=opts.sft.lr,
-                                 warmup=opts.sft.warmup_steps,
-                                 offload_cfg=offload_cfg) if sft_steps else None
-    rl_tx = (optim_lib.for_phase(opts.optim, rl_steps, offload_cfg=offload_cfg) if rl_steps
-             else sft_tx)
+                                 warmup=opts.sft.warmup_steps, **kw) if sft_steps else None
+    rl_tx = optim_lib.for_phase(opts.optim, rl_steps, **kw) if rl_steps else sft_tx
     return sft_tx, rl_tx
 
 
@@ -447,7 +447,11 @@ def _engine(r: Run, params, mesh, reserve: int = 0):
             raise errors.UserError(
                 f"rollout.pool_fraction={ro.pool_fraction} of the {free / 2**30:.1f} GiB the "
                 f"update leaves holds {num_pages} pages of {ps} tokens, less than one sample of "
-                f"{prompt} + {new} tokens", "config key rollout.pool_fraction",
+                f"{prompt} + {new} tokens (of the {budget_lib.USABLE * limit / 2**30:.1f} GiB "
+                f"planned on, {in_use / 2**30:.1f} are in use: the weights and their decode "
+                f"layout; the update reserves {reserve / 2**30:.1f}: its gradient accumulator "
+                "and the larger of its smallest micro-batch and its optimizer step)",
+                "config key rollout.pool_fraction",
                 "raise it, set rollout.pool_tokens, or lower rl.max_tokens_per_micro")
     else:
         num_pages = full

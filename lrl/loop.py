@@ -97,7 +97,7 @@ def _run_phases(r: Run, build: Build, step: Step) -> dict:
     off, why = build_lib.offload(opts.optim, r.task.model_cfg, r.mesh)
     if off:   # said when it changes what the device holds; "off" is the plain run's default
         r.writer.note(f"optimizer: masters and moments in host memory ({why})")
-    sft_tx, rl_tx = build_lib.optimizers(opts, off)
+    sft_tx, rl_tx = build_lib.optimizers(opts, off, split_rest=r.mesh.size == 1)
     abstract, trees = build_lib.restore_targets(r, rl_tx)
     restored = r.ckpt.restore(abstract, trees=trees)
     if restored is not None:

@@ -118,6 +118,43 @@ def test_unscanned_layers_update_in_one_block():
     _close(got.params, want.params, rtol=2e-6, atol=1e-5)
 
 
+def test_parameters_larger_than_a_layer_update_a_block_of_rows_at_a_time():
+    """`split_rest` (one device): the embedding and the head, each larger than a layer here,
+    are updated a block of rows at a time (the embedding's 512 rows in blocks that hold no
+    more than a layer), and the step is still the on-device one, the clip and the weight
+    decay's mask included."""
+    cfg = dataclasses.replace(CFG, vocab_size=512)
+    params = models.init_params(cfg, jax.random.key(0))
+    mesh = mesh_lib.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
+    on_device, off = _txs(cfg)
+    off = off._replace(split_rest=True)
+    kinds, _, layer = offload._kinds(off, params)
+    split = [path for (path, _), k in zip(jax.tree_util.tree_flatten_with_path(params)[0], kinds)
+             if k == "B"]
+    assert sorted(jax.tree_util.keystr(p) for p in split) == ["['embed']['embedding']",
+                                                              "['lm_head']"], split
+    rows = offload._rows_per_block(params["embed"]["embedding"], layer)
+    assert 1 < 512 // rows and rows * cfg.d_model <= layer and 512 % rows == 0
+    want, wm = _run(cfg, on_device, mesh, steps=3, host_driven=True, params=params)
+    got, gm = _run(cfg, off, mesh, steps=3, host_driven=True, params=params)
+    _close(got.opt_state.masters, want.params, rtol=2e-6, atol=1e-5)
+    _close(got.params, want.params, rtol=2e-6, atol=1e-5)
+    for x, y in zip(_moments(got.opt_state.inner), _moments(want.opt_state)):
+        y = np.asarray(y)
+        np.testing.assert_allclose(np.asarray(x), y, rtol=2e-6, atol=1e-4 * np.abs(y).max())
+    for w, g in zip(wm, gm):
+        for k in ("grad_norm", "update_norm", "learning_rate"):
+            np.testing.assert_allclose(g[k], w[k], rtol=1e-5, err_msg=k)
+
+
+def test_rows_per_block():
+    x = jax.ShapeDtypeStruct((12, 10), jnp.float32)
+    assert offload._rows_per_block(x, 60) == 6
+    assert offload._rows_per_block(x, 45) == 4
+    assert offload._rows_per_block(x, 5) == 1      # a row alone is more: one row a block
+    assert offload._rows_per_block(x, 10**6) == 12
+
+
 @pytest.mark.slow
 def test_bf16_compute_copy_with_fp32_masters_moves_at_a_small_lr():
     """bf16 compute: the offloaded masters follow the on-device fp32 masters (the gradients

@@ -63,7 +63,8 @@ def _optimizer(cfg, mode: str):
     if mode != "offload":
         return optim.make_optimizer(**kw, clip_norm=1.0)
     return offload.Offload(optim.make_optimizer(**kw, clip_norm=None), 1.0,
-                           compute_dtype=cfg.dtype, master_dtype=cfg.param_dtype)
+                           compute_dtype=cfg.dtype, master_dtype=cfg.param_dtype,
+                           split_rest=True)   # one device, as the loop's choice there
 
 
 def _micro_batches(cfg, T: int, M: int):

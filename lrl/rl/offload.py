@@ -16,9 +16,11 @@ compute-dtype weights every forward reads (update, log-probs, rollout), `opt_sta
   1. the global norm over all gradients, on the device (the only cross-parameter step), for
      the clip, applied to each block as it is updated;
   2. the element-wise rest (AdamW with its schedule, `inner`) once on the parameters outside
-     the scanned layers, then in a `fori_loop` over the layers: layer l's masters and moments
-     are moved to the device, updated, moved back into their host buffers in place, and its
-     new weights cast into the compute-dtype parameters.
+     the scanned layers (with `split_rest`, those larger than a layer, 7B's embeddings and
+     head, a block of rows at a time in a `fori_loop`), then in a `fori_loop` over the
+     layers: layer l's masters and moments are moved to the device, updated, moved back into
+     their host buffers in place, and its new weights cast into the compute-dtype parameters.
+     So the device holds the masters and moments of no more than a layer at a time.
 
 The element-wise optimizer is called on a tree of the parameters' own structure in which
 the leaves outside the current block are empty arrays, so masks that read parameter paths
@@ -59,6 +61,10 @@ class Offload(NamedTuple):
     clip_norm: Optional[float]            # global-norm clip before it (None / 0: none)
     compute_dtype: Any                    # the device copy's dtype (model.dtype)
     master_dtype: Any = jnp.float32
+    # Parameters outside the layers larger than a layer updated a block of rows at a time
+    # (`finish`). Only where they are not sharded (one device): a block of rows of a sharded
+    # array would be gathered.
+    split_rest: bool = False
 
     def init(self, params):
         """The optimizer state of `params` (the masters): as `optax`'s `init`, so code that
@@ -219,24 +225,37 @@ def _in_layers(path) -> bool:
 
 
 def _kinds(tx: Offload, params):
-    """Flat lists: each parameter leaf in the layers (True) or not; each optimizer-state leaf
-    "L" (a layer parameter's), "R" (another parameter's) or "S" (scalar state)."""
-    in_layers = [_in_layers(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    flags = jax.tree.unflatten(jax.tree.structure(params), in_layers)
+    """Flat lists: each parameter leaf's block, "L" (in the scanned layers), "B" (outside
+    them, larger than a layer: updated a block of rows at a time, when `tx.split_rest`) or
+    "R" (the rest, together); each optimizer-state leaf's parameter (its index in the flat
+    parameters, -1 for scalar state: step counts, the injected learning rate)."""
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    leaves = jax.tree.leaves(params)
+    layer = sum(x.size // x.shape[0] for path, x in zip(paths, leaves) if _in_layers(path))
+    kinds = ["L" if _in_layers(path) else
+             "B" if tx.split_rest and layer and x.ndim and x.size > layer else "R"
+             for path, x in zip(paths, leaves)]
+    index = jax.tree.unflatten(jax.tree.structure(params), list(range(len(leaves))))
     shapes = jax.eval_shape(tx.inner.init, jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, tx.master_dtype), params))
-    kinds = optax.tree_utils.tree_map_params(
-        tx.inner, lambda _, f: "L" if f else "R", shapes, flags,
-        transform_non_params=lambda _: "S",
+    owner = optax.tree_utils.tree_map_params(
+        tx.inner, lambda _, i: i, shapes, index, transform_non_params=lambda _: -1,
         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    return in_layers, jax.tree.leaves(kinds)
+    return kinds, jax.tree.leaves(owner), layer
+
+
+def _rows_per_block(x, most: int) -> int:
+    """The most rows of `x` (a divisor of its first dimension) whose elements are at most
+    `most`; one row if a row alone is more."""
+    n, row = x.shape[0], x.size // x.shape[0]
+    return max([d for d in range(1, n + 1) if n % d == 0 and d * row <= most] or [1])
 
 
 def _empty(x):
     return jnp.zeros((0,), x.dtype)
 
 
-def _block(tx: Offload, treedef, sdef, g, m, s, kinds_p, kinds_s):
+def _block(tx: Offload, treedef, sdef, g, m, s):
     """The element-wise optimizer on one block: flat lists of gradients, masters and state
     leaves where those outside the block are empty -> (new masters, new state, sum of the
     updates' squares), as flat lists."""
@@ -273,40 +292,60 @@ def finish(state, grads, tx: Offload):
     grad_norm = optax.global_norm(grads)
     clip = _clip_fn(grad_norm, tx.clip_norm)
     masters, inner = state.opt_state
-    in_layers, kinds = _kinds(tx, state.params)
+    kinds, owner, layer = _kinds(tx, state.params)
     treedef, sdef = jax.tree.structure(state.params), jax.tree.structure(inner)
     g, m, p = (jax.tree.leaves(t) for t in (grads, masters, state.params))
     s = jax.tree.leaves(inner)
 
+    def step(select, slice_, put_device, put_host, m, s_cur, p, sq):
+        """The element-wise optimizer on the leaves `select(i)` picks, each cut by `slice_`
+        -> the masters, state and compute params with the block written back, sq added."""
+        m_i, s_i, sq_i = _block(
+            tx, treedef, sdef,
+            [clip(slice_(x)) if select(i) else _empty(x) for i, x in enumerate(g)],
+            [_to_device(slice_(x)) if select(i) else _empty(x) for i, x in enumerate(m)],
+            # scalar state: the step's own, whatever block (the counts advance once)
+            [x if o < 0 else _to_device(slice_(y)) if select(o) else _empty(y)
+             for x, y, o in zip(s, s_cur, owner)])
+        m = [put_host(x, y) if select(i) else x for i, (x, y) in enumerate(zip(m, m_i))]
+        s_new = [y if o < 0 else put_host(x, y) if select(o) else x
+                 for x, y, o in zip(s_cur, s_i, owner)]
+        p = [put_device(x, y.astype(x.dtype)) if select(i) else x
+             for i, (x, y) in enumerate(zip(p, m_i))]
+        return m, s_new, p, sq + sq_i
+
     # The parameters outside the layers (embeddings, final norm, head), in one block; its
     # state's scalars (step counts, the injected learning rate) are the step's.
-    pick = lambda xs, flags: [_empty(x) if f else _to_device(x) for x, f in zip(xs, flags)]  # noqa: E731
-    m_r, s_r, sq = _block(tx, treedef, sdef,
-                          [_empty(x) if f else clip(x) for x, f in zip(g, in_layers)],
-                          pick(m, in_layers), [x if k == "S" else _empty(x) if k == "L"
-                                               else _to_device(x) for x, k in zip(s, kinds)],
-                          in_layers, kinds)
-    m = [x if f else _to_host(y) for x, y, f in zip(m, m_r, in_layers)]
-    p = [x if f else y.astype(x.dtype) for x, y, f in zip(p, m_r, in_layers)]
-    s_out = [y if k == "S" else _to_host(y) if k == "R" else x for x, y, k in zip(s, s_r, kinds)]
-    n_layers = next((x.shape[0] for x, f in zip(g, in_layers) if f), 0)
+    whole = lambda x: x  # noqa: E731
+    m, s_out, p, sq = step(lambda i: kinds[i] == "R", whole, lambda _, y: y,
+                           lambda _, y: _to_host(y), m, s, p, jnp.zeros((), jnp.float32))
 
-    def layer(i, carry):
-        m, s_l, p, sq = carry
+    # Those larger than a layer (7B's embeddings and head: 1.09B parameters, 13 GB of masters
+    # and moments at once), a block of rows at a time, so the device never holds more of
+    # them than of a layer.
+    for j in (i for i, k in enumerate(kinds) if k == "B"):
+        rows = _rows_per_block(g[j], layer)
+
+        def row_block(r, carry, j=j, rows=rows):
+            cut = lambda x: jax.lax.dynamic_slice_in_dim(x, r * rows, rows, 0)  # noqa: E731
+            put = lambda buf, y: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+                buf, y, r * rows, 0)
+            return step(lambda i: i == j, cut, put, lambda buf, y: put(buf, _to_host(y)),
+                        *carry)
+
+        m, s_out, p, sq = jax.lax.fori_loop(0, g[j].shape[0] // rows, row_block,
+                                            (m, s_out, p, sq))
+
+    n_layers = next((x.shape[0] for x, k in zip(g, kinds) if k == "L"), 0)
+
+    def layer_step(i, carry):
         take = lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # noqa: E731
         put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0)  # noqa: E731
-        m_i, s_i, sq_i = _block(
-            tx, treedef, sdef, [clip(take(x)) if f else _empty(x) for x, f in zip(g, in_layers)],
-            [_to_device(take(x)) if f else _empty(x) for x, f in zip(m, in_layers)],
-            [x if k == "S" else _to_device(take(y)) if k == "L" else _empty(y)
-             for x, y, k in zip(s, s_l, kinds)], in_layers, kinds)
-        m = [put(x, _to_host(y)) if f else x for x, y, f in zip(m, m_i, in_layers)]
-        s_l = [put(x, _to_host(y)) if k == "L" else x for x, y, k in zip(s_l, s_i, kinds)]
-        p = [put(x, y.astype(x.dtype)) if f else x for x, y, f in zip(p, m_i, in_layers)]
-        return m, s_l, p, sq + sq_i
+        return step(lambda k: kinds[k] == "L", take, put, lambda buf, y: put(buf, _to_host(y)),
+                    *carry)
 
     # The loop carries only the layers' buffers (each updated in place, one slice a layer).
-    m, s_out, p, sq = jax.lax.fori_loop(0, n_layers, layer, (m, s_out, p, sq))
+    m, s_out, p, sq = jax.lax.fori_loop(0, n_layers, layer_step, (m, s_out, p, sq))
     return (jax.tree.unflatten(treedef, p),
             OffloadState(jax.tree.unflatten(treedef, m), jax.tree.unflatten(sdef, s_out)),
             grad_norm, jnp.sqrt(sq))

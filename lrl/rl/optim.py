@@ -84,12 +84,14 @@ def learning_rate(opt_state) -> Optional[jax.Array]:
 
 
 def for_phase(o, total_steps: int, lr: Optional[float] = None,
-              warmup: Optional[int] = None, offload_cfg=None) -> optax.GradientTransformation:
+              warmup: Optional[int] = None, offload_cfg=None,
+              split_rest: bool = False) -> optax.GradientTransformation:
     """A phase's optimizer from the `optim.*` options `o` (`lrl.options.OptimOptions`), with
     the phase's own `lr` and `warmup` when given. A warm-up longer than the phase (a short
     smoke run of a config tuned for longer ones) is cut to the phase's length, and said so.
     `offload_cfg`: the model config when the optimizer is offloaded (`lrl.rl.offload`):
-    masters in its param_dtype, the device copy in its dtype."""
+    masters in its param_dtype, the device copy in its dtype; `split_rest`: the parameters
+    are not sharded, so those larger than a layer may be updated a block of rows at a time."""
     total_steps = max(total_steps, 1)
     warmup = o.warmup_steps if warmup is None else warmup
     if warmup > total_steps:
@@ -103,4 +105,5 @@ def for_phase(o, total_steps: int, lr: Optional[float] = None,
     from lrl.rl.offload import Offload
     # The clip runs on the device over all gradients; the element-wise AdamW layer by layer.
     return Offload(make_optimizer(**kw, clip_norm=None), o.clip_norm or None,
-                   compute_dtype=offload_cfg.dtype, master_dtype=offload_cfg.param_dtype)
+                   compute_dtype=offload_cfg.dtype, master_dtype=offload_cfg.param_dtype,
+                   split_rest=split_rest)
