@@ -99,6 +99,22 @@ def test_a_loss_reading_other_weights_differentiates_as_usual(taken):
     _close(got, want, rtol=1e-6, atol=1e-8)
 
 
+def test_a_loss_reading_the_layers_twice_differentiates_as_usual(taken):
+    """A second pass over the same weights in one loss (its gradient would be lost, the
+    weights not being differentiated) makes the step take jax's way: the gradient of both
+    passes."""
+    def twice(u):
+        def loss(params, mb, *args):
+            (l1, m), (l2, _) = (upd.micro_loss(params, mb, *args, objective=u.objective)
+                                for _ in range(2))
+            return l1 + 0.5 * l2, m
+        return loss
+    want = _accumulated(CFG, sink=False, micro_loss=twice)
+    got = _accumulated(CFG, sink=True, micro_loss=twice)
+    assert taken   # the first pass took it; the second found it taken
+    _close(got, want, rtol=1e-6, atol=1e-8)
+
+
 def test_the_stacked_gradient_leaves_the_program():
     """The accumulating program (bf16 weights, an fp32 accumulator: the offloaded optimizer's
     case) compiled both ways: the sink's temporaries are smaller by at least the stacked

@@ -39,6 +39,13 @@ class Sink:
         self.acc_L, self.params_L = acc_L, params_L
         self.taken = False
         self.backward_traced = False
+        self.read_again = False   # a second pass over the same weights: its gradient would
+        #                           be lost (they are not differentiated), so not usable
+
+    @property
+    def used(self) -> bool:
+        """Whether the accumulating step may take the sink's result as the gradient."""
+        return self.taken and self.backward_traced and not self.read_again
 
 
 @contextlib.contextmanager
@@ -55,13 +62,17 @@ def into(acc_L, params_L):
 
 
 def take(params_L) -> Optional[Sink]:
-    """The active sink when `params_L` are its weights (and it is not taken yet), else None."""
+    """The active sink when `params_L` are its weights and it is not taken yet, else None
+    (taken: the pass is marked, and the step differentiates the usual way)."""
     sink = getattr(_LOCAL, "sink", None)
-    if sink is None or sink.taken:
+    if sink is None:
         return None
     mine, theirs = jax.tree.leaves(params_L), jax.tree.leaves(sink.params_L)
     if (jax.tree.structure(params_L) != jax.tree.structure(sink.params_L)
             or any(a is not b for a, b in zip(mine, theirs))):
+        return None
+    if sink.taken:
+        sink.read_again = True
         return None
     sink.taken = True
     return sink

@@ -203,7 +203,8 @@ def _accumulate(params, acc: Accumulator, mb, *args, micro_loss, mesh, sink: boo
 def _accumulate_into(params, acc: Accumulator, mb, args, micro_loss):
     """`_accumulate` with the scanned layers' gradients added into the accumulator inside
     the backward (`lrl.models.grad_sink`), or None when the loss's decoder did not take them
-    (another tree of weights, no scanned layers): the caller then differentiates as usual.
+    (another tree of weights, no scanned layers) or read the layers twice: the caller then
+    differentiates as usual.
     The layers' weights are not differentiated; the accumulator's layers are, and their
     gradient is the new accumulator."""
     layers = params["layers"]
@@ -217,7 +218,7 @@ def _accumulate_into(params, acc: Accumulator, mb, args, micro_loss):
 
     (_, m), (g_rest, acc_L) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(
         rest, acc.grads["layers"])
-    if not (sinks[0].taken and sinks[0].backward_traced):
+    if not sinks[0].used:
         return None
     grads = {k: acc_L if k == "layers" else jax.tree.map(
         lambda a, b: a + b.astype(a.dtype), acc.grads[k], g_rest[k]) for k in params}
