@@ -226,7 +226,9 @@ def grpo(r: Run, state, tx, pool, critic_state=None, ppo_saved: Optional[dict] =
     if memory is not None:
         least = found["least"] if found else need(*budget_lib.smallest_shape(**sizes))
     if r.rollout_mesh is None:
-        engine, decode = _engine(r, state.params, mesh, reserve=least)
+        # Offloaded (memory binds), the decode weights live only while a rollout runs.
+        engine, decode = _engine(r, state.params, mesh, reserve=least,
+                                 keep_decode=not offload_lib.is_offload(tx))
     budget, found = _token_budget(r, sizes, need, memory, key, found, least)
     searched = sum(compiles.since(counted).values())
     lengths = budget_lib.row_lengths(budget.row_len, sizes["unit"])
@@ -419,18 +421,20 @@ def _sequence_parallel_prefill(r: Run, mesh) -> bool:
             and r.rollout_mesh is None)
 
 
-def _engine(r: Run, params, mesh, reserve: int = 0):
+def _engine(r: Run, params, mesh, reserve: int = 0, keep_decode: bool = True):
     """The rollout engine for the whole run on `mesh` (`params` on it), sized from the
     options: slots, the longest prompt and completion, a pool of `rollout.pool_tokens` or
     `rollout.pool_fraction` of the memory free now beyond `reserve` bytes (never more than
     every slot's longest sample needs), with its pool allocated now; and the decode-layout
-    weights, relaid in place each step."""
+    weights, relaid in place each step (`keep_decode`) or laid out for each rollout and
+    dropped before the update (`lrl.rollout.weights.DecodeWeights`), which then reserves
+    the larger of the two, not both."""
     opts, cfg = r.opts, r.task.model_cfg
     ro, rl_ = opts.rollout, opts.rl
     prompt, new = options_lib.longest_prompt(opts), rl_.max_new_tokens
     ps = ro.page_size
     device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-    decode = weights_lib.DecodeWeights(cfg, mesh)
+    decode = weights_lib.DecodeWeights(cfg, mesh, keep=keep_decode)
     decode.refresh(params)   # allocated before the pool is sized
     # Every slot's longest sample, and a prefix of the longest prompt beside each.
     full = ro.max_slots * (pages_for(prompt + new - 1, ps) + pages_for(prompt, ps)) + 1
@@ -440,7 +444,8 @@ def _engine(r: Run, params, mesh, reserve: int = 0):
         tensor = mesh.shape["tensor"]
         shards = tensor if cfg.n_kv_heads % tensor == 0 else 1
         limit, in_use = budget_lib.device_memory(device)
-        free = int(budget_lib.USABLE * limit) - in_use - reserve
+        free = pool_free(int(budget_lib.USABLE * limit), in_use, reserve,
+                         decode.device_bytes(device), keep_decode)
         page_bytes = pages_lib.kv_bytes_per_token(cfg) * ps // shards
         num_pages = min(full, int(free * ro.pool_fraction) // page_bytes)
         if num_pages < pages_for(prompt + new - 1, ps) + pages_for(prompt, ps) + 1:
@@ -476,8 +481,20 @@ def _engine(r: Run, params, mesh, reserve: int = 0):
              if ecfg.prefill_lengths else "")
     r.writer.note(f"rollout engine: {ro.max_slots} slots, a pool of {num_pages * ps} tokens "
                   f"({num_pages} pages of {ps}), prefill calls of {ecfg.rows_per_prefill} x "
-                  f"{ecfg.prefill_chunk} tokens{narrow}{whole}{tail}")
+                  f"{ecfg.prefill_chunk} tokens{narrow}{whole}{tail}"
+                  + ("" if keep_decode else "; its decode-layout weights made for each rollout "
+                     "and dropped before the update"))
+    decode.release()   # without keep_decode: the update's budget is sized without them
     return engine, decode
+
+
+def pool_free(usable: int, in_use: int, reserve: int, decode_bytes: int, keep_decode: bool):
+    """Bytes the rollout's pool takes its share of: what is free now (`in_use` counts the
+    decode weights, `decode_bytes`) beyond the update's `reserve`. Decode weights dropped
+    before each update (not `keep_decode`) never live beside it: the two need the larger of
+    them, not their sum."""
+    free = usable - in_use - reserve
+    return free if keep_decode else free + min(decode_bytes, reserve)
 
 
 # ----------------------------------------------------------------------------- the pipeline

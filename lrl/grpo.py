@@ -404,6 +404,8 @@ def learn(s: Setup, live: Live, state, groups: Groups, m: dict,
     update's metrics; `live` as the step leaves it). `before`: the compile counts the step's
     count starts from."""
     before = compiles.snapshot() if before is None else before
+    if s.decode is not None:
+        s.decode.release()   # where memory binds, the update gets the decode weights' room
     if not groups.P:
         m.update({"compiles/step": sum(compiles.since(before).values()),
                   "compiles/total": compiles.total()})

@@ -155,6 +155,33 @@ def test_rows_per_block():
     assert offload._rows_per_block(x, 10**6) == 12
 
 
+def test_decode_weights_dropped_between_rollouts_are_laid_out_again():
+    """keep=False (the offloaded run's): `release` drops the decode-layout copy, the next
+    `refresh` lays it out anew, equal to the kept copy; keep=True ignores `release`."""
+    from lrl.rollout.weights import DecodeWeights
+    params = jax.tree.map(jnp.array, _params())
+    kept, dropped = DecodeWeights(CFG), DecodeWeights(CFG, keep=False)
+    want = kept.refresh(params)
+    got = dropped.refresh(params)
+    device = jax.devices()[0]
+    assert dropped.device_bytes(device) == kept.device_bytes(device) > 0
+    dropped.release()
+    kept.release()
+    assert dropped.params is None and dropped.device_bytes(device) == 0
+    assert kept.params is want
+    again = dropped.refresh(params)
+    _close(again, want, rtol=0, atol=0)
+    _close(got, want, rtol=0, atol=0)
+
+
+def test_pool_takes_its_share_beside_the_larger_of_decode_weights_and_the_update():
+    from lrl.build import pool_free
+    # 100 usable, 40 in use of which the decode weights 15, the update reserves 30
+    assert pool_free(100, 40, 30, 15, keep_decode=True) == 30
+    assert pool_free(100, 40, 30, 15, keep_decode=False) == 45    # 100 - 25 - max(15, 30)
+    assert pool_free(100, 40, 10, 15, keep_decode=False) == 60    # 100 - 25 - max(15, 10)
+
+
 @pytest.mark.slow
 def test_bf16_compute_copy_with_fp32_masters_moves_at_a_small_lr():
     """bf16 compute: the offloaded masters follow the on-device fp32 masters (the gradients

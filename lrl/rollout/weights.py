@@ -130,10 +130,14 @@ def _refresh(old, params, cfg: ModelConfig, mesh):
 class DecodeWeights:
     """The policy in the decode layout, kept for a whole run: `refresh(params)` relays the
     training params into the same buffers (the previous copy is donated), so each step costs
-    one read of the weights and no new allocation; unchanged params are not relaid."""
+    one read of the weights and no new allocation; unchanged params are not relaid.
 
-    def __init__(self, cfg: ModelConfig, mesh=None):
-        self.cfg, self.mesh = cfg, mesh
+    `keep=False` (where memory binds: the optimizer offloaded) gives the copy's memory to the
+    update between rollouts: `release()` drops it and the next `refresh` lays it out anew (the
+    same one read of the weights, in fresh buffers)."""
+
+    def __init__(self, cfg: ModelConfig, mesh=None, keep: bool = True):
+        self.cfg, self.mesh, self.keep = cfg, mesh, keep
         self.params = None
         self._source = None   # the training params the copy was made from
 
@@ -141,9 +145,22 @@ class DecodeWeights:
         if params is self._source:
             return self.params
         if self.params is None:
-            # Relaid a second time into its own buffers: the donating program compiles now,
-            # with the engine, not in the first step that changes the params.
             self.params = _to_decode(params, self.cfg, self.mesh)
-        self.params = _refresh(self.params, params, self.cfg, self.mesh)
+            if self.keep:
+                # Relaid a second time into its own buffers: the donating program compiles
+                # now, with the engine, not in the first step that changes the params.
+                self.params = _refresh(self.params, params, self.cfg, self.mesh)
+        else:
+            self.params = _refresh(self.params, params, self.cfg, self.mesh)
         self._source = params
         return self.params
+
+    def release(self):
+        """Without `keep`, drop the copy until the next `refresh` (a no-op with it)."""
+        if not self.keep:
+            self.params = self._source = None
+
+    def device_bytes(self, device) -> int:
+        """What the copy takes on `device` (0 when there is none)."""
+        return sum(sh.data.nbytes for x in jax.tree.leaves(self.params)
+                   for sh in x.addressable_shards if sh.device == device)
