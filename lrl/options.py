@@ -267,6 +267,10 @@ def _check_ppo(o: Options) -> None:
         raise ValueError("critic.optim.offload='on': the critic's optimizer stays on the "
                          "device (only the policy's is offloaded, lrl/rl/offload.py); set "
                          "it 'off' or 'auto'")
+    if c.optim.grad_sink == "on":
+        raise ValueError("critic.optim.grad_sink='on': the critic's update stacks its layers' "
+                         "gradients (only the policy's adds them into the accumulator, "
+                         "lrl/models/grad_sink.py); set it 'off' or 'auto'")
     if not rl.uses_critic:
         for name, v, off in (("warmup_steps", c.warmup_steps, 0), ("hf_path", c.hf_path, "")):
             if v != off:

@@ -277,7 +277,7 @@ class Optim:
                          "(docs/offload.md)", choices=("auto", "on", "off"))
     grad_sink: str = field("auto", "the policy update adds each layer's weight gradient into "
                            "the accumulator inside the backward, recomputing each layer whole "
-                           "(remat='full''s compute), instead of stacking all of them first "
+                           "(the compute of remat='full'), instead of stacking all of them first "
                            "(one copy of the layers' weights less): 'auto' when the optimizer "
                            "is offloaded or model.remat='full', 'on', 'off' "
                            "(lrl/models/grad_sink.py)", choices=("auto", "on", "off"))
@@ -299,8 +299,9 @@ class Critic:
                               ge=0)
     ppo_epochs: int = field(1, "critic passes over each step's minibatches", ge=1)
     cliprange_value: float = field(0.5, "value clip around the old values (verl's 0.5)", ge=0)
-    optim: Optim = section(Optim, "the critic's optimizer (offload: never, it stays on the "
-                           "device)", lr=1e-5, warmup_steps=0, b2=0.999, offload="off")
+    optim: Optim = section(Optim, "the critic's optimizer (offload and grad_sink: never, "
+                           "it stays on the device and stacks its gradients)", lr=1e-5,
+                           warmup_steps=0, b2=0.999, offload="off")
 
 
 @_frozen

@@ -2,6 +2,8 @@
 (`lrl.models.grad_sink`): the accumulator jax's stacked gradient gives, unsharded, sharded over
 fsdp x tensor and with ring attention over seq; the stacked buffer gone from the compiled
 program; jax's way where the loss's decoder reads other weights; the 'auto' rule."""
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -155,3 +157,13 @@ def test_auto_rule():
     assert not grad_sink.decide("off", offloaded=True, remat="full")[0]
     with pytest.raises(ValueError, match="grad_sink"):
         grad_sink.decide("yes", offloaded=False, remat="full")
+
+
+def test_the_critics_setting_is_refused_on():
+    """The critic's update stacks its gradients: `critic.optim.grad_sink='on'` names itself."""
+    from lrl import build, config_util
+    c = config_util.load(os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "configs", "default.py"), "runlocal")
+    c.critic.optim.grad_sink = "on"
+    with pytest.raises(ValueError, match="critic.optim.grad_sink"):
+        build.options(c, check_files=False)
