@@ -35,17 +35,17 @@ def taken(monkeypatch):
     return calls
 
 
-def _accumulated(cfg, sink, mesh=None, micro_loss=None):
+def _accumulated(cfg, sink, mesh=None, micro_loss=None, batch=None, loss=LOSS):
     """Two micro-batches accumulated from zero -> the accumulator (on the host)."""
-    u = upd.make_update_programs(cfg, LOSS, TX, mesh, chunk=8, grad_sink=sink)
+    u = upd.make_update_programs(cfg, loss, TX, mesh, chunk=8, grad_sink=sink)
     if micro_loss is not None:
         from lrl.rl import train
         u = u._replace(programs=train.make_accumulate_programs(
             micro_loss(u), cfg, TX, mesh, grad_sink=sink))
     params = models.init_params(cfg, jax.random.key(0))
-    batch = _batch(seed=0, rows=8)
+    batch = _batch(seed=0, rows=8) if batch is None else batch
     mbs = [jax.tree.map(lambda x: x[j::2], batch) for j in range(2)]
-    denoms = upd.host_denominators(mbs, LOSS.max_len)
+    denoms = upd.host_denominators(mbs, loss.max_len)
     if mesh is not None:
         mbs = [jax.device_put(m, mesh_lib.batch_sharding(mesh, 2)) for m in mbs]
         params = jax.device_put(params, upd.train_state_shardings(cfg, TX, mesh).params)
@@ -85,6 +85,19 @@ def test_sink_on_a_mesh_is_the_unsharded_stacked_gradient(axes, attention, taken
     got = _accumulated(cfg, sink=True, mesh=mesh_lib.make_mesh(axes))
     assert taken
     _close(got, want, rtol=2e-4, atol=2e-6)
+
+
+def test_sink_with_shared_prompts(taken):
+    """Rows in the shared-prompt layout (a group's prompt once, its prefix ids passed to every
+    layer's attention): the sink's accumulator is the stacked path's."""
+    from tests.test_shared_prompt import LOSSES, _update_batches
+    _, (batch, _) = _update_batches(3, 4, 48, 4, 32)
+    assert batch["prefix_ids"].any()
+    loss = LossConfig(**LOSSES["token_mean"])
+    want = _accumulated(CFG, sink=False, batch=batch, loss=loss)
+    got = _accumulated(CFG, sink=True, batch=batch, loss=loss)
+    assert taken
+    _close(got, want, rtol=1e-5, atol=1e-7)
 
 
 def test_a_loss_reading_other_weights_differentiates_as_usual(taken):
