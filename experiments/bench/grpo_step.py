@@ -146,8 +146,9 @@ def make_config(a):
     if a.param_dtype:
         c.model.param_dtype = a.param_dtype
     elif shape == "7b":
-        # fp32 masters, Adam moments and gradients are 16 bytes a parameter: 122 GB for 7B,
-        # more than one H200 leaves beside the rollout; bf16 ones are 61 GB.
+        # bf16 masters, as the recorded 7B rows ran (61 GB of state on the device).
+        # `--param-dtype float32` runs the shipped fp32 masters: 122 GB with their moments and
+        # gradients, so `optim.offload="auto"` puts masters and moments in host memory.
         c.model.param_dtype = "bfloat16"
     if video:
         _video_data(c, a)
@@ -345,7 +346,7 @@ def main():
                     help="rollout.narrow_decode=False: every decode call computes all slots")
     ap.add_argument("--param-dtype", default="",
                     help="model.param_dtype (default: the config's; bfloat16 for 7B shapes, "
-                         "whose fp32 masters and Adam moments do not fit one H200)")
+                         "as the recorded rows ran; float32 there offloads the optimizer)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override after the bench's own, e.g. model.remat=full")
     ap.add_argument("--profile-step", type=int, default=0,
