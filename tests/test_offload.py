@@ -344,3 +344,40 @@ def test_loop_with_offload_on_equals_off_and_resumes(tmp_path):
     steps = [json.loads(x)["step"] for x in (tmp_path / "on" / "metrics.jsonl").read_text()
              .splitlines()]
     assert steps[-1] == 5 and steps.count(5) == 1
+
+
+@pytest.mark.slow
+def test_offloaded_run_lays_the_decode_weights_out_for_each_rollout(tmp_path, monkeypatch):
+    """optim.offload="on" with the device's memory faked (the live arrays against 256 MiB, so
+    the pool is sized from it): the engine's note says so, the decode-layout copy is dropped
+    at start-up and before every update and laid out anew for each rollout, and the run
+    trains."""
+    from lrl import loop
+    from lrl.rl import budget as budget_lib
+    from lrl.rollout import weights
+    from tests.test_loop import tiny_config
+
+    c = tiny_config()
+    c.sft.steps, c.rl.steps, c.eval.every = 0, 2, 0
+    c.optim.offload = "on"
+
+    def memory(device):
+        used = sum(sh.data.nbytes for a in jax.live_arrays() for sh in a.addressable_shards
+                   if sh.device == device)
+        return 256 << 20, used
+    monkeypatch.setattr(budget_lib, "device_memory", memory)
+    events, written = [], []
+    release, refresh = weights.DecodeWeights.release, weights.DecodeWeights.refresh
+    monkeypatch.setattr(weights.DecodeWeights, "release", lambda self: events.append(
+        ("release", self.params is not None)) or release(self))
+    monkeypatch.setattr(weights.DecodeWeights, "refresh", lambda self, p: events.append(
+        ("refresh", self.params is None)) or refresh(self, p))
+    note = loop.MetricsWriter.note
+    monkeypatch.setattr(loop.MetricsWriter, "note",
+                        lambda self, text: written.append(text) or note(self, text))
+    out = loop.run(c, str(tmp_path))
+    assert np.isfinite(out["grpo"]["loss"])
+    assert any("decode-layout weights made for each rollout" in x for x in written), written
+    # start-up, then each of the two steps: laid out (none was there), then dropped
+    assert events.count(("refresh", True)) == 3, events
+    assert events.count(("release", True)) == 3, events
