@@ -4,6 +4,15 @@ Imports nothing of jax."""
 from __future__ import annotations
 
 import os
+from typing import Optional
+
+
+def host_memory() -> Optional[int]:
+    """Physical memory of this host in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def set_defaults(environ=os.environ) -> None:
@@ -16,9 +25,6 @@ def set_defaults(environ=os.environ) -> None:
     # memory, which jax's GPU client caps at 64 GB unless told: Qwen2.5-7B's are ~91 GB, and
     # the H100 host's 7B run stopped at that cap (BENCHMARKS.md "Optimizer offload"). Let it
     # take most of the host.
-    if "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" not in environ:
-        try:
-            host_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        except (ValueError, OSError, AttributeError):   # no sysconf: jax's default
-            return
-        environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(max(64, int(0.8 * host_gb)))
+    host = host_memory()
+    if "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" not in environ and host is not None:
+        environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(max(64, int(0.8 * host / 2**30)))

@@ -111,12 +111,12 @@ class Decoder(nn.Module):
         """The decoder layers and the final norm on input embeddings (the VL decoder's
         entry: it splices visual rows into the embeddings first)."""
         x = x_BTD
-        sink = (None if not self.cfg.scan_layers or self.is_initializing()
-                else grad_sink.take(self.variables["params"]["layers"]))
+        stacked = (None if not self.cfg.scan_layers or self.is_initializing()
+                   else self.variables["params"]["layers"])
+        sink = None if stacked is None else grad_sink.take(stacked)
         if sink is not None:  # an accumulating step's layers (lrl.models.grad_sink)
-            x = grad_sink.layers(sink, functools.partial(_block, self.cfg, self.mesh),
-                                 self.variables["params"]["layers"], x,
-                                 (positions_BT, segment_ids_BT, prefix_ids_BT))
+            x = grad_sink.layers(sink, functools.partial(_block, self.cfg, self.mesh), stacked,
+                                 x, (positions_BT, segment_ids_BT, prefix_ids_BT))
         elif self.cfg.scan_layers:
             x, _ = self.layers(x, positions_BT, segment_ids_BT, prefix_ids_BT)
         else:

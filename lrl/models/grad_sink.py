@@ -92,17 +92,15 @@ def _at(a, l):
     return lax.dynamic_index_in_dim(a, l, keepdims=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _layers(mark, block_fn, acc_L, params_L, x, consts):
-    del mark, acc_L
-    y, _ = lax.scan(lambda h, p: (block_fn(p, h, *consts), None), x, params_L)
-    return y
-
-
 def _layers_fwd(mark, block_fn, acc_L, params_L, x, consts):
     del mark
     y, inputs_L = lax.scan(lambda h, p: (block_fn(p, h, *consts), h), x, params_L)
     return y, (acc_L, params_L, inputs_L, consts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _layers(mark, block_fn, acc_L, params_L, x, consts):
+    return _layers_fwd(mark, block_fn, acc_L, params_L, x, consts)[0]   # inputs unused: DCE
 
 
 def _layers_bwd(mark, block_fn, res, ct_y):

@@ -32,13 +32,14 @@ arithmetic as the on-device update (tests/test_offload.py compares them).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from lrl import xla_env
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +95,6 @@ def state_bytes(shapes, shardings=None, bytes_per_param: int = 16) -> int:
         n = int(np.prod(sh.shard_shape(x.shape))) if sh is not None else int(np.prod(x.shape))
         total += n * bytes_per_param
     return total
-
-
-def host_memory() -> Optional[int]:
-    """Physical memory of this host in bytes, or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def decide(mode: str, *, platform: str, device_limit: Optional[int], on_device: int,
@@ -160,7 +153,7 @@ def decide_for(mode: str, model_cfg, mesh) -> tuple[bool, str]:
     return decide(mode, platform=device.platform, device_limit=memory and memory[0],
                   on_device=state_bytes(shapes, sh, 4 * master),
                   offloaded_host=local * state_bytes(shapes, sh, 3 * master),
-                  host_limit=host_memory())
+                  host_limit=xla_env.host_memory())
 
 
 # --- The state, its shardings ---------------------------------------------------------------

@@ -125,7 +125,7 @@ def accumulate_and_apply(state: TrainState, batch, micro_loss: Callable, *, mode
     def body(carry, mb):
         g_acc, m_acc = carry
         (_, m), g = grad_fn(state.params, mb)
-        g_acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_acc, g)
+        g_acc = _added(g_acc, g)
         return (g_acc, combine_metrics(m_acc, m)), None
 
     (grads, metrics), _ = jax.lax.scan(body, (zeros, _metric_identity(metric_shapes)), micro)
@@ -196,8 +196,12 @@ def _accumulate(params, acc: Accumulator, mb, *args, micro_loss, mesh, sink: boo
         if out is not None:
             return out
     (_, m), g = jax.value_and_grad(micro_loss, has_aux=True)(params, mb, *args)
-    grads = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc.grads, g)
-    return Accumulator(grads, combine_metrics(acc.metrics, m))
+    return Accumulator(_added(acc.grads, g), combine_metrics(acc.metrics, m))
+
+
+def _added(acc, grads):
+    """The accumulator plus a micro-batch's gradients, in the accumulator's dtype."""
+    return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, grads)
 
 
 def _accumulate_into(params, acc: Accumulator, mb, args, micro_loss):
@@ -220,8 +224,7 @@ def _accumulate_into(params, acc: Accumulator, mb, args, micro_loss):
         rest, acc.grads["layers"])
     if not sinks[0].used:
         return None
-    grads = {k: acc_L if k == "layers" else jax.tree.map(
-        lambda a, b: a + b.astype(a.dtype), acc.grads[k], g_rest[k]) for k in params}
+    grads = {k: acc_L if k == "layers" else _added(acc.grads[k], g_rest[k]) for k in params}
     return Accumulator(grads, combine_metrics(acc.metrics, m))
 
 
