@@ -285,6 +285,27 @@ def _no_step(root, step, steps):
 
 # ----------------------------------------------------------------------------- the manager
 
+class _PageableStaging(ocp.PyTreeCheckpointHandler):
+    """Orbax's PyTree handler, its copies of the arrays to the host made into ordinary memory.
+
+    On a GPU orbax otherwise stages every array of a save in pinned host memory at once (jax's
+    host allocator, capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB), and that allocator keeps what
+    it grew to. With the optimizer offloaded (`lrl.rl.offload`) the masters and moments already
+    fill most of that cap: Qwen2.5-7B's 85 GiB of them left no room for its 14 GiB of bf16
+    weights, and the run stopped at its first checkpoint (H100, 128 GiB host, BENCHMARKS.md
+    "Optimizer offload"). Ordinary memory is freed once the arrays are written."""
+
+    def __init__(self, **kwargs):
+        super().__init__(enable_pinned_host_transfer=False, **kwargs)
+
+
+def _handlers():
+    reg = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for args in (ocp.args.PyTreeSave, ocp.args.PyTreeRestore):
+        reg.add(None, args, _PageableStaging)
+    return reg
+
+
 class CheckpointManager:
     """Saves (asynchronously, keeping the last `keep`) and restores one run's checkpoints.
 
@@ -302,7 +323,8 @@ class CheckpointManager:
         self.directory = epath.Path(directory)
         self.every_steps, self.every_minutes = every_steps, every_minutes
         self._mgr = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save))
+            max_to_keep=keep, create=True, enable_async_checkpointing=async_save),
+            handler_registry=_handlers())
         self._last_time = time.monotonic()
         self._last_step = self._mgr.latest_step()
 

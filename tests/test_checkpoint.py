@@ -294,3 +294,35 @@ def test_config_items_round_trip(tmp_path):
     assert "bfloat16" in got.config["dtype"]
     with pytest.raises(ck.CheckpointError, match="flash"):
         ck.model_config_from_dict({**ck.model_config_to_dict(mc), "flash": True})
+
+
+def test_saves_stage_arrays_in_ordinary_host_memory(tmp_path, monkeypatch):
+    """On a GPU orbax's own default stages every array of a save in pinned host memory, under
+    the cap jax puts on it, which an offloaded optimizer's masters and moments already fill
+    (7B stopped at its first checkpoint): lrl's saves copy the arrays out into ordinary memory,
+    the state and a further tree alike; orbax's default on the same backend would not."""
+    from orbax.checkpoint._src.serialization import replica_slices
+    seen = []
+    real = replica_slices.transfer_arrays_to_host
+
+    def spy(*a, **k):
+        seen.append(k.get("enable_pinned_host_transfer"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(replica_slices, "transfer_arrays_to_host", spy)
+    # Orbax picks pinned staging by the backend when its handler is built: say "gpu".
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    state = {"w": jnp.arange(8.0), "b": jnp.ones(3)}
+    with ck.CheckpointManager(tmp_path / "lrl", keep=1) as m:
+        m.save(1, state, trees={"critic": {"v": jnp.zeros(2)}})
+        m.wait()
+        got = m.restore(jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+    assert seen and not any(seen), seen
+    np.testing.assert_array_equal(got.state["w"], state["w"])
+    seen.clear()
+    monkeypatch.setattr(ck, "_handlers", lambda: None)   # orbax's own handlers
+    with ck.CheckpointManager(tmp_path / "orbax", keep=1) as m:
+        m.save(1, {"w": jnp.arange(8.0)})
+        m.wait()
+    assert seen and all(seen), seen
