@@ -293,7 +293,8 @@ class _PageableStaging(ocp.PyTreeCheckpointHandler):
     it grew to. With the optimizer offloaded (`lrl.rl.offload`) the masters and moments already
     fill most of that cap: Qwen2.5-7B's 85 GiB of them left no room for its 14 GiB of bf16
     weights, and the run stopped at its first checkpoint (H100, 128 GiB host, BENCHMARKS.md
-    "Optimizer offload"). Ordinary memory is freed once the arrays are written."""
+    "The whole GRPO step"). Ordinary memory is freed once the arrays are written. What it costs a
+    save's blocking copy of device arrays (pageable, against pinned, transfers) is not measured."""
 
     def __init__(self, **kwargs):
         super().__init__(enable_pinned_host_transfer=False, **kwargs)
