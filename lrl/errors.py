@@ -90,6 +90,9 @@ def out_of_memory(e: BaseException, config=None) -> UserError | None:
         for part in key.split("."):
             node = node[part]
         return f" (now {node!r})"
+    if budget.out_of_host_memory(e):
+        return UserError(f"out of pinned host memory: {first[:300]}", host_memory_culprit(),
+                         host_memory_todo(now("optim.offload"), now("model.param_dtype")))
     return UserError(
         f"out of device memory: {first[:300]}", "device memory",
         "shrink what a step holds: lower rl.max_tokens_per_micro" + now("rl.max_tokens_per_micro")
@@ -97,6 +100,20 @@ def out_of_memory(e: BaseException, config=None) -> UserError | None:
         + now("rollout.pool_fraction") + " (or set rollout.pool_tokens), use model.remat='full'"
         + now("model.remat") + ", or fewer rollout.max_slots" + now("rollout.max_slots"),
         details=("docs/troubleshooting.md#out-of-memory lists what each setting costs",))
+
+
+def host_memory_culprit() -> str:
+    limit = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
+    return ("pinned host memory, capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+            + (f"={limit}" if limit else " (unset: jax's 64 GB)"))
+
+
+def host_memory_todo(offload_now: str = "", param_dtype_now: str = "") -> str:
+    return ("raise XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (python -m lrl.main sets 80% of the host's "
+            "memory when it is unset) or free the host's memory; or hold less there: "
+            "optim.offload='off'" + offload_now + " keeps the masters and moments on the device, "
+            "which holds them with model.param_dtype='bfloat16'" + param_dtype_now
+            + " or with more devices (mesh.fsdp)")
 
 
 def user_error(e: BaseException, config=None, workdir: str | None = None) -> UserError | None:

@@ -30,6 +30,7 @@ from lrl import compile_cache
 from lrl import compiles
 from lrl import console
 from lrl import distributed
+from lrl import errors
 from lrl import grpo, step_setup, tasks, trajectories, wandb_sink
 from lrl import mesh as mesh_lib
 from lrl import pipeline as pipeline_lib
@@ -262,6 +263,10 @@ def out_of_memory_message(opts, s: step_setup.Setup, step: int, e) -> str:
     ro, rl_ = opts.rollout, opts.rl
     first = next((x for x in str(e).splitlines() if "RESOURCE_EXHAUSTED" in x or
                   "memory" in x.lower()), str(e).splitlines()[0] if str(e) else "")
+    if budget_lib.out_of_host_memory(e):
+        return (f"GRPO step {step} ran out of host memory ({first.strip()[:300]}): "
+                f"{errors.host_memory_culprit()}. To do: " + errors.host_memory_todo(
+                    f" (now {opts.optim.offload!r})", f" (now {opts.model.param_dtype!r})"))
     return (f"GRPO step {step} ran out of device memory ({first.strip()[:300]}). The update's "
             f"micro-batches hold {s.rows_per_shard} x {s.row_len} tokens a data shard "
             f"(rl.max_tokens_per_micro={rl_.max_tokens_per_micro}, rl.row_len={rl_.row_len}; "

@@ -181,3 +181,10 @@ def test_a_step_out_of_memory_names_the_numbers_and_the_settings():
     for part in ("12 x 8192 tokens", "rl.max_tokens_per_micro=4096", "rollout.pool_fraction=0.4",
                  "model.remat='full'"):
         assert part in msg, part
+    host = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of host memory while trying "
+                                      "to allocate 7.00GiB with allocator xla_gpu_host_bfc")
+    msg = loop.out_of_memory_message(opts, s, 7, host)
+    assert msg.startswith("GRPO step 7 ran out of host memory (RESOURCE_EXHAUSTED: Out of host "
+                          "memory while trying to allocate 7.00GiB")
+    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in msg and "optim.offload='off' (now 'auto')" in msg
+    assert "rl.max_tokens_per_micro" not in msg

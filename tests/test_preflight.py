@@ -245,6 +245,27 @@ def test_out_of_memory_names_the_numbers_and_the_settings(capsys):
         errors.run(bug, config=c)
 
 
+def test_out_of_pinned_host_memory_names_its_cap_not_the_device(capsys, monkeypatch):
+    """The 7B run's checkpoint ran out of the pinned host memory jax's GPU client caps (the
+    offloaded optimizer lives there): the message names that cap and the settings that hold
+    less in host memory, not the device's micro-batch and pool."""
+    import jax
+    c = tiny_config()
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "100")
+
+    def oom():
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of host memory while trying to allocate 1.01GiB with "
+            "allocator xla_gpu_host_bfc on device 0. Please set the environment variable "
+            "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB to allocate larger host memory than the default "
+            "64 GB.")
+    assert errors.run(oom, config=c) == errors.EXIT_CODE
+    err = capsys.readouterr().err
+    assert "out of pinned host memory" in err and "1.01GiB" in err and "Traceback" not in err
+    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=100" in err
+    assert "optim.offload='off' (now 'auto')" in err and "rl.max_tokens_per_micro" not in err
+
+
 def _main(*args, timeout=300, tmpdir=None):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     if tmpdir is not None:

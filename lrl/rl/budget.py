@@ -119,6 +119,13 @@ def out_of_memory(e) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
+def out_of_host_memory(e) -> bool:
+    """Whether an out-of-memory (`out_of_memory`) is of the pinned host memory jax's GPU client
+    allocates (offloaded optimizer state, transfers staged there), not of the device's."""
+    text = str(e)
+    return "Out of host memory" in text or "xla_gpu_host_bfc" in text
+
+
 def resolve(*, row_len: int, max_tokens: int, longest: Optional[int], unit: int,
             need_bytes: Optional[Callable[[int, int], int]] = None,
             available: Optional[int] = None, max_rows: int = 64, align: int = 128,
