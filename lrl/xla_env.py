@@ -28,3 +28,18 @@ def set_defaults(environ=os.environ) -> None:
     host = host_memory()
     if "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" not in environ and host is not None:
         environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(max(64, int(0.8 * host / 2**30)))
+
+
+# jax's GPU client's cap on pinned host memory when XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB is unset.
+PINNED_DEFAULT_GB = 64
+
+
+def pinned_limit(environ=os.environ) -> int:
+    """Bytes of pinned host memory jax's GPU client may allocate: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
+    (as `set_defaults` left it, or the user), read as 10^9 bytes a unit, the smaller reading of
+    "GB"."""
+    try:
+        gb = float(environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", PINNED_DEFAULT_GB))
+    except ValueError:
+        gb = PINNED_DEFAULT_GB
+    return int(gb * 10**9)

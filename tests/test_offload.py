@@ -246,6 +246,23 @@ def test_auto_rule_on_fake_memory(mode, platform, device, on_dev, host_need, hos
     assert got is want, why
 
 
+def test_the_pinned_cap_bounds_the_offload():
+    """The state must fit what jax's GPU client may pin (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB), not
+    only the host: 7B's 85 GiB against jax's own 64 GB stays on the device under "auto" and is
+    refused under "on", each naming the variable."""
+    from lrl import xla_env
+    kw = dict(platform="gpu", device_limit=80 * GIB, on_device=113 * GIB,
+              offloaded_host=85 * GIB, host_limit=256 * GIB)
+    assert xla_env.pinned_limit({}) == 64 * 10**9
+    assert xla_env.pinned_limit({"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "200"}) == 200 * 10**9
+    got, why = offload.decide("auto", **kw, pinned_limit=xla_env.pinned_limit({}))
+    assert not got and "pin" in why
+    with pytest.raises(ValueError, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"):
+        offload.decide("on", **kw, pinned_limit=64 * 10**9)
+    assert offload.decide("auto", **kw, pinned_limit=200 * 10**9)[0]
+    assert offload.decide("auto", **kw)[0]   # no cap (not a GPU)
+
+
 def test_forced_offload_that_the_host_cannot_hold_names_the_setting():
     with pytest.raises(ValueError, match="optim.offload='on'.*host"):
         offload.decide("on", platform="gpu", device_limit=80 * GIB, on_device=100 * GIB,

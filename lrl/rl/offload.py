@@ -98,18 +98,23 @@ def state_bytes(shapes, shardings=None, bytes_per_param: int = 16) -> int:
 
 
 def decide(mode: str, *, platform: str, device_limit: Optional[int], on_device: int,
-           offloaded_host: int, host_limit: Optional[int]) -> tuple[bool, str]:
+           offloaded_host: int, host_limit: Optional[int],
+           pinned_limit: Optional[int] = None) -> tuple[bool, str]:
     """-> (offload?, why), the `optim.offload` rule. `on_device`: bytes one device would hold
     for masters, moments and gradients without offload; `offloaded_host`: bytes this host
     would hold with it (masters and moments of its devices); `device_limit`, `host_limit`: what
     each may allocate (None: unknown). "auto" offloads when the state would take more than
     STATE_SHARE of the device and the host holds it within HOST_SHARE of its memory; never on
     a CPU-only platform, whose "host" is its device. "on" / "off" force it ("on" still fails
-    loudly when the host cannot hold the state)."""
+    loudly when the host cannot hold the state). `pinned_limit`: what jax's GPU client may
+    pin (`lrl.xla_env.pinned_limit`; None: no cap), which the state must fit too."""
     if mode not in CHOICES:
         raise ValueError(f"optim.offload={mode!r}; choose one of {CHOICES}")
     gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
     host_ok = host_limit is None or offloaded_host <= HOST_SHARE * host_limit
+    pinned_ok = pinned_limit is None or offloaded_host <= pinned_limit
+    raise_cap = (f"raise XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (it lets jax pin "
+                 f"{gib(pinned_limit or 0)}) before the run starts")
     if mode == "off":
         return False, "optim.offload='off'"
     if mode == "on":
@@ -119,6 +124,10 @@ def decide(mode: str, *, platform: str, device_limit: Optional[int], on_device: 
                 f"fit this host's memory ({gib(host_limit)}, {HOST_SHARE:.0%} usable); shard "
                 "them over more devices (mesh.fsdp) or hosts, or use model.param_dtype="
                 "'bfloat16'")
+        if not pinned_ok:
+            raise ValueError(
+                f"optim.offload='on': the masters and moments ({gib(offloaded_host)}) do not "
+                f"fit the pinned host memory jax may allocate: {raise_cap}")
         return True, "optim.offload='on'"
     if platform == "cpu":
         return False, "auto: a CPU platform's host memory is its device memory"
@@ -132,6 +141,12 @@ def decide(mode: str, *, platform: str, device_limit: Optional[int], on_device: 
                     "(%s of %s) and the host cannot either (%s of %s): left on the device",
                     gib(on_device), gib(device_limit), gib(offloaded_host), gib(host_limit))
         return False, "auto: the host cannot hold the optimizer state either"
+    if not pinned_ok:
+        log.warning("optim.offload='auto': the device cannot hold the optimizer state "
+                    "(%s of %s) and jax may pin only %s of host memory for its %s: left on the "
+                    "device; %s", gib(on_device), gib(device_limit), gib(pinned_limit),
+                    gib(offloaded_host), raise_cap)
+        return False, "auto: jax may not pin enough host memory for the optimizer state"
     return True, (f"auto: masters, moments and gradients ({gib(on_device)}) exceed "
                   f"{STATE_SHARE:.0%} of the device's {gib(device_limit)}: masters and moments "
                   f"({gib(offloaded_host)}) in host memory")
@@ -153,7 +168,8 @@ def decide_for(mode: str, model_cfg, mesh) -> tuple[bool, str]:
     return decide(mode, platform=device.platform, device_limit=memory and memory[0],
                   on_device=state_bytes(shapes, sh, 4 * master),
                   offloaded_host=local * state_bytes(shapes, sh, 3 * master),
-                  host_limit=xla_env.host_memory())
+                  host_limit=xla_env.host_memory(),
+                  pinned_limit=xla_env.pinned_limit() if device.platform == "gpu" else None)
 
 
 # --- The state, its shardings ---------------------------------------------------------------
