@@ -394,9 +394,18 @@ def main():
     import shutil
     shutil.rmtree(a.workdir, ignore_errors=True)
     t0 = time.time()
-    loop.run(c, a.workdir, build=with_lengths, step=step)
-    wall = time.time() - t0
     metrics_path = os.path.join(a.workdir, "metrics.jsonl")
+    try:
+        loop.run(c, a.workdir, build=with_lengths, step=step)
+    except BaseException:
+        # The steps that ran are measured even when the run stops after them (the 7B run's
+        # final checkpoint did): their table before the error, with the roofline column only.
+        if os.path.exists(metrics_path) and _step_rows(metrics_path):
+            print("\nThe run stopped after the steps below; its error follows.", flush=True)
+            a.update_mfu = a.update_mfu or 0.60
+            table(a, c, metrics_path, wall=time.time() - t0)
+        raise
+    wall = time.time() - t0
     if a.skip_rates:   # the roofline column only
         a.update_mfu = a.update_mfu or 0.60
     if not (a.decode_ms or a.skip_rates):
