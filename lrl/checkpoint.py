@@ -299,6 +299,12 @@ class _PageableStaging(ocp.PyTreeCheckpointHandler):
     def __init__(self, **kwargs):
         super().__init__(enable_pinned_host_transfer=False, **kwargs)
 
+    @classmethod
+    def typestr(cls) -> str:
+        # What a step's metadata names as its handler: orbax's own, whose format this is, so
+        # orbax alone reads the checkpoint back (and a rename here strands no old checkpoint).
+        return ocp.PyTreeCheckpointHandler.typestr()
+
 
 def _handlers():
     reg = ocp.handlers.DefaultCheckpointHandlerRegistry()

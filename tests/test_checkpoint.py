@@ -300,7 +300,8 @@ def test_saves_stage_arrays_in_ordinary_host_memory(tmp_path, monkeypatch):
     """On a GPU orbax's own default stages every array of a save in pinned host memory, under
     the cap jax puts on it, which an offloaded optimizer's masters and moments already fill
     (7B stopped at its first checkpoint): lrl's saves copy the arrays out into ordinary memory,
-    the state and a further tree alike; orbax's default on the same backend would not."""
+    the state and a further tree alike; orbax's default on the same backend would not. The
+    checkpoint is orbax's own format, and says so."""
     from orbax.checkpoint._src.serialization import replica_slices
     seen = []
     real = replica_slices.transfer_arrays_to_host
@@ -320,6 +321,11 @@ def test_saves_stage_arrays_in_ordinary_host_memory(tmp_path, monkeypatch):
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
     assert seen and not any(seen), seen
     np.testing.assert_array_equal(got.state["w"], state["w"])
+    # The step names orbax's own handler, so orbax alone reads it back.
+    import orbax.checkpoint as ocp
+    handlers = json.loads((tmp_path / "lrl" / "1" / "_CHECKPOINT_METADATA").read_text())[
+        "item_handlers"]
+    assert handlers["state"] == handlers["critic"] == ocp.PyTreeCheckpointHandler.typestr()
     seen.clear()
     monkeypatch.setattr(ck, "_handlers", lambda: None)   # orbax's own handlers
     with ck.CheckpointManager(tmp_path / "orbax", keep=1) as m:
