@@ -103,14 +103,17 @@ def out_of_memory(e: BaseException, config=None) -> UserError | None:
 
 
 def host_memory_culprit() -> str:
+    from lrl import xla_env
     limit = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
     return ("pinned host memory, capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
-            + (f"={limit}" if limit else " (unset: jax's 64 GB)"))
+            + (f"={limit}" if limit else f" (unset: jax's {xla_env.PINNED_DEFAULT_GB} GB)"))
 
 
 def host_memory_todo(offload_now: str = "", param_dtype_now: str = "") -> str:
-    return ("raise XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (python -m lrl.main sets 80% of the host's "
-            "memory when it is unset) or free the host's memory; or hold less there: "
+    from lrl import xla_env
+    return ("raise XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (python -m lrl.main sets "
+            f"{xla_env.PINNED_HOST_SHARE:.0%} of the host's memory when it is unset) or free "
+            "the host's memory; or hold less there: "
             "optim.offload='off'" + offload_now + " keeps the masters and moments on the device, "
             "which holds them with model.param_dtype='bfloat16'" + param_dtype_now
             + " or with more devices (mesh.fsdp)")

@@ -7,6 +7,12 @@ import os
 from typing import Optional
 
 
+# jax's GPU client's cap on pinned host memory when XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB is unset,
+# and the share of the host's memory `set_defaults` lets it pin instead.
+PINNED_DEFAULT_GB = 64
+PINNED_HOST_SHARE = 0.8
+
+
 def host_memory() -> Optional[int]:
     """Physical memory of this host in bytes, or None where the OS does not say."""
     try:
@@ -27,11 +33,8 @@ def set_defaults(environ=os.environ) -> None:
     # take most of the host.
     host = host_memory()
     if "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" not in environ and host is not None:
-        environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(max(64, int(0.8 * host / 2**30)))
-
-
-# jax's GPU client's cap on pinned host memory when XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB is unset.
-PINNED_DEFAULT_GB = 64
+        environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(
+            max(PINNED_DEFAULT_GB, int(PINNED_HOST_SHARE * host / 2**30)))
 
 
 def pinned_limit(environ=os.environ) -> int:
