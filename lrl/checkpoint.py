@@ -59,6 +59,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from lrl import checkpoint_items as ci
+from lrl import checkpoint_space
 from lrl.checkpoint_items import (  # noqa: F401  (the public names, re-exported)
     CheckpointError, StateMismatchError, abstract_state, checksums, model_config_from_dict,
     model_config_to_dict)
@@ -327,7 +328,7 @@ class CheckpointManager:
         if every_steps < 0 or every_minutes < 0:
             raise ValueError(f"every_steps={every_steps}, every_minutes={every_minutes} must "
                              "be >= 0")
-        self.directory = epath.Path(directory)
+        self.directory, self.keep = epath.Path(directory), keep
         self.every_steps, self.every_minutes = every_steps, every_minutes
         self._mgr = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save),
@@ -346,6 +347,12 @@ class CheckpointManager:
 
     def latest_step(self) -> Optional[int]:
         return self._mgr.latest_step()
+
+    def space_warning(self, state_bytes: int) -> Optional[str]:
+        """What to tell the user when the disk cannot hold the saves to come (the next, and
+        `keep` of them), or None (`lrl.checkpoint_space`)."""
+        return checkpoint_space.warning(self.directory, self.keep, self.all_steps(),
+                                        state_bytes)
 
     def should_save(self, step: int) -> bool:
         """The cadence, plus JAX's preemption sync point on multi-host runs."""

@@ -119,10 +119,49 @@ def host_memory_todo(offload_now: str = "", param_dtype_now: str = "") -> str:
             + " or with more devices (mesh.fsdp)")
 
 
+def out_of_disk(e: BaseException, config=None, workdir: str | None = None) -> UserError | None:
+    """A write that failed on a full disk (a checkpoint's, mostly), with the free space, the
+    size of a checkpoint and the uncommitted save left behind; None for any other error."""
+    from lrl import checkpoint_space as space
+    if not space.no_space(e):
+        return None
+    first = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+    first = first if len(first) <= 400 else "..." + first[-400:]   # the errno's text ends it
+    if not workdir:
+        return UserError("out of disk space", "the run's disk",
+                         "free space, or point --workdir at a larger disk", details=(first,))
+    free = space.free_bytes(workdir)
+    ckdir = os.path.join(workdir, "checkpoints")
+    names = sorted(os.listdir(ckdir)) if os.path.isdir(ckdir) else []
+    steps = sorted(int(n) for n in names if n.isdigit())
+    cut = [os.path.join(ckdir, n) for n in names if ".orbax-checkpoint-tmp" in n]
+    try:
+        keep = config["checkpoint"]["keep"]
+    except (KeyError, TypeError, AttributeError):
+        keep = None
+    details = [first]
+    if steps:
+        details.append(f"a checkpoint of this run takes "
+                       f"{space.size(space.dir_bytes(os.path.join(ckdir, str(steps[-1]))))} "
+                       f"(step {steps[-1]}, the newest committed: the run resumes from it)")
+    details += [f"{p} is a save cut short ({space.size(space.dir_bytes(p))}): never read, "
+                "delete it" for p in cut]
+    return UserError(
+        "out of disk space",
+        f"the disk of {workdir}" + (f" ({space.size(free)} free now)" if free is not None
+                                    else ""),
+        "free space or point --workdir at a larger disk (checkpoints are the largest files: "
+        "keep fewer with checkpoint.keep" + (f", now {keep}" if keep is not None else "") + ")",
+        details=details)
+
+
 def user_error(e: BaseException, config=None, workdir: str | None = None) -> UserError | None:
     """`e` as a user error, or None when it is a bug (or unknown: kept with its traceback)."""
     if isinstance(e, UserError):
         return e
+    full = out_of_disk(e, config, workdir)
+    if full is not None:
+        return full
     oom = out_of_memory(e, config)
     if oom is not None:
         return oom

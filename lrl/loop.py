@@ -26,6 +26,7 @@ import jax
 
 from lrl import build as build_lib
 from lrl import checkpoint as ckpt_lib
+from lrl import checkpoint_space as ckpt_space
 from lrl import compile_cache
 from lrl import compiles
 from lrl import console
@@ -105,6 +106,9 @@ def _run_phases(r: Run, build: Build, step: Step) -> dict:
         log.info("resumed from %s (step %d, phase %s)", restored.path, restored.step,
                  restored.data_state.get("phase"))
         r.task.restore(restored.data_state.get("task", {}))
+    full = r.ckpt.space_warning(ckpt_space.tree_bytes(abstract, trees))
+    if full:
+        log.warning(full)
     # Rows logged after the restored checkpoint by a run that died are logged again: cut them.
     r.writer.resume(restored.step if restored else 0,
                     restored.data_state["phase"] if restored else None)

@@ -1,6 +1,7 @@
 """The experiment end to end: the default config's GRPO loop on tiny settings, resume after
 SIGTERM, and the errors a researcher meets first (unknown config keys, missing files)."""
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from lrl import checkpoint as ckpt_lib
+from lrl import checkpoint_space as ckpt_space
 from lrl import config_util
 from lrl import rewards
 from lrl import loop
@@ -48,8 +50,13 @@ def _params(workdir, step=None):
 
 
 @pytest.mark.slow
-def test_grpo_runs_end_to_end_and_writes_what_it_promises(tmp_path):
-    out = loop.run(tiny_config(), str(tmp_path))
+def test_grpo_runs_end_to_end_and_writes_what_it_promises(tmp_path, monkeypatch, caplog):
+    # A disk too small for the checkpoints is said at start-up (the saves here still work).
+    monkeypatch.setattr(ckpt_space, "free_bytes", lambda directory: 1000)
+    with caplog.at_level(logging.WARNING, "lrl"):
+        out = loop.run(tiny_config(), str(tmp_path))
+    assert [r.message for r in caplog.records
+            if r.message.startswith("checkpoints: the next save cannot fit")], caplog.text
     for name in ("metrics.jsonl", "samples.jsonl", "grpo_curves.png", "sft_curves.png"):
         assert (tmp_path / name).exists(), name
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
