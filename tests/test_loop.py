@@ -55,8 +55,8 @@ def test_grpo_runs_end_to_end_and_writes_what_it_promises(tmp_path, monkeypatch,
     monkeypatch.setattr(ckpt_space, "free_bytes", lambda directory: 1000)
     with caplog.at_level(logging.WARNING, "lrl"):
         out = loop.run(tiny_config(), str(tmp_path))
-    assert [r.message for r in caplog.records
-            if r.message.startswith("checkpoints: the next save cannot fit")], caplog.text
+    assert [r for r in caplog.records
+            if r.getMessage().startswith("checkpoints: the next save cannot fit")], caplog.text
     for name in ("metrics.jsonl", "samples.jsonl", "grpo_curves.png", "sft_curves.png"):
         assert (tmp_path / name).exists(), name
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
