@@ -332,3 +332,16 @@ def test_saves_stage_arrays_in_ordinary_host_memory(tmp_path, monkeypatch):
         m.save(1, {"w": jnp.arange(8.0)})
         m.wait()
     assert seen and all(seen), seen
+
+
+def test_a_save_keeps_a_bounded_share_of_the_host_in_flight(monkeypatch):
+    """Orbax's default lets 96 GB of writes (and their compressed copies in host memory) be in
+    flight: a third of a 7B offloaded state's save, on a host its pinned masters already fill."""
+    from lrl import xla_env
+    for host_gib, gb in ((24, 1), (128, 6), (512, 27), (4096, 96)):
+        monkeypatch.setattr(xla_env, "host_memory", lambda h=host_gib: h * 2 ** 30)
+        assert ck.write_window_gb() == gb
+        assert ck._PageableStaging()._save_concurrent_bytes == gb * 10 ** 9
+    monkeypatch.setattr(xla_env, "host_memory", lambda: None)
+    assert ck.write_window_gb() is None      # orbax's own default
+    assert ck._PageableStaging(save_concurrent_gb=3)._save_concurrent_bytes == 3 * 10 ** 9
