@@ -17,6 +17,7 @@ from lrl import checkpoint_space as space
 from lrl import errors
 
 MiB = 2 ** 20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_tree_bytes_counts_arrays_and_abstract_leaves_at_global_shapes():
@@ -139,7 +140,7 @@ def test_a_real_save_on_a_full_disk(tmp_path):
          f'mount -t tmpfs -o size=1m none {mnt} && exec "$0" "$1" "$2"',
          sys.executable, str(script), str(mnt / "wd")],
         capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": os.getcwd(), "JAX_PLATFORMS": "cpu"})
+        env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"})
     lines = {ln.split(" ", 1)[0]: ln for ln in out.stdout.splitlines() if " " in ln}
     assert "the next save cannot fit" in lines.get("WARNING", ""), out.stdout + out.stderr
     user = out.stdout[out.stdout.find("USER"):]
