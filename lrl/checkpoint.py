@@ -292,7 +292,8 @@ def _no_step(root, step, steps):
 # fp32 (checksums aside) raised the process's high-water mark by 1.0 and 2.1-2.3 GiB, about a
 # third of the state, with 2 GB in flight by 0.3 GiB and with 1 GB by nothing (thirty-third
 # session). A 7B run with its masters and moments offloaded has 85 GiB pinned and its 14 GiB of
-# staged weights besides on a 128 GiB host; a third of its 100 GiB save does not fit there.
+# staged weights besides on a 128 GiB host: a third of its 100 GiB save would not fit there
+# (what killed that run's final save on an H100 was not seen).
 WRITE_SHARE = 0.05
 
 
