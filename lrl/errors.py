@@ -130,11 +130,12 @@ def out_of_disk(e: BaseException, config=None, workdir: str | None = None) -> Us
     if not workdir:
         return UserError("out of disk space", "the run's disk",
                          "free space, or point --workdir at a larger disk", details=(first,))
+    from lrl import checkpoint as ckpt
     free = space.free_bytes(workdir)
     ckdir = os.path.join(workdir, "checkpoints")
-    names = sorted(os.listdir(ckdir)) if os.path.isdir(ckdir) else []
-    steps = sorted(int(n) for n in names if n.isdigit())
-    cut = [os.path.join(ckdir, n) for n in names if ".orbax-checkpoint-tmp" in n]
+    steps = sorted(int(n) for n in (os.listdir(ckdir) if os.path.isdir(ckdir) else ())
+                   if n.isdigit())
+    cut = ckpt._uncommitted(ckpt.epath.Path(ckdir), after=-1)
     try:
         keep = config["checkpoint"]["keep"]
     except (KeyError, TypeError, AttributeError):
@@ -142,7 +143,7 @@ def out_of_disk(e: BaseException, config=None, workdir: str | None = None) -> Us
     details = [first]
     if steps:
         details.append(f"a checkpoint of this run takes "
-                       f"{space.size(space.dir_bytes(os.path.join(ckdir, str(steps[-1]))))} "
+                       f"{space.size(space.estimate(ckdir, steps, 0)[0])} "
                        f"(step {steps[-1]}, the newest committed: the run resumes from it)")
     details += [f"{p} is a save cut short ({space.size(space.dir_bytes(p))}): never read, "
                 "delete it" for p in cut]
