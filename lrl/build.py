@@ -263,11 +263,11 @@ def grpo(r: Run, state, tx, pool, critic_state=None, ppo_saved: Optional[dict] =
 def _compile_ahead(need, cut: packing.Cut, memory):
     """Every micro-batch shape of the update's `cut` (a minibatch's last rows too) compiled on
     a thread while the first rollout runs, where the device computes and the host has cores
-    to spare, with XLA's defaults (the search's were compiled to be measured, not run). None
-    on a CPU (`memory` None), whose cores the rollout needs."""
+    to spare; the search's shapes are compiled already (`need` keeps them). None on a CPU
+    (`memory` None), whose cores the rollout needs."""
     if memory is None:
         return None
-    return compiles.Background(lambda shape: need(*shape, to_run=True), cut.shapes(),
+    return compiles.Background(lambda shape: need(*shape), cut.shapes(),
                                name="lrl-update-shapes")
 
 
@@ -323,13 +323,9 @@ def _critic_spec(spec: dict) -> dict:
 # ----------------------------------------------------------------------------- its token budget
 
 def _need_fn(task, rl_, mesh, update, state, p, sizes: dict, shards: int, kl: bool):
-    """(rows_per_shard, row_len, to_run=False) -> the bytes one micro-batch of that shape
-    needs on a device beyond what is live (the update's, and PPO's critic's on the same rows),
-    each shape compiled once whoever asks; `budget_lib.NO_FIT` where its compile ran out of
-    memory. The search's compiles are only read (`budget_lib.search_compiler_options`: on a
-    GPU no autotuning, which took most of a first start); `to_run` compiles the program a step
-    runs, for jax's caches to serve it."""
-    fast = budget_lib.search_compiler_options(jax.default_backend())
+    """(rows_per_shard, row_len) -> the bytes one micro-batch of that shape needs on a device
+    beyond what is live (the update's, and PPO's critic's on the same rows), each shape
+    compiled once whoever asks; `budget_lib.NO_FIT` where its compile ran out of memory."""
     def spec(rows_per_shard, row_len):
         return grpo_lib.micro_batch_spec(rl_, task, mesh, shards * rows_per_shard, row_len, kl)
 
@@ -342,20 +338,16 @@ def _need_fn(task, rl_, mesh, update, state, p, sizes: dict, shards: int, kl: bo
                                                       task.extra_spec()))
         return need_
 
-    measured = {}   # shape -> what the search read, to compare with the program run
-
     @functools.lru_cache(maxsize=None)   # each shape compiled once, whoever asks
-    def need(rows_per_shard, row_len, to_run=False):
+    def need(rows_per_shard, row_len):
         # The accumulator lives through both programs; the optimizer step may need more.
-        options = None if to_run else fast
         try:
             acc_need = update_lib.need_bytes(update, state.params,
-                                             spec(rows_per_shard, row_len), task.extra_spec(),
-                                             options)
+                                             spec(rows_per_shard, row_len), task.extra_spec())
             if p is not None and p.critic is not None:   # the critic's update, same rows
                 acc_need = max(acc_need, update_lib.need_bytes(
                     p.critic, p.state.params, _critic_spec(spec(rows_per_shard, row_len)),
-                    task.extra_spec(), options))
+                    task.extra_spec()))
         except jax.errors.JaxRuntimeError as e:
             if not budget_lib.out_of_memory(e):
                 raise
@@ -364,14 +356,7 @@ def _need_fn(task, rl_, mesh, update, state, p, sizes: dict, shards: int, kl: bo
             log.info("update micro-batch %d x %d: its compile ran out of memory (%s): does "
                      "not fit", rows_per_shard, row_len, str(e).splitlines()[0][:160])
             return budget_lib.NO_FIT
-        out = max(acc_need, apply_need())
-        shape = (rows_per_shard, row_len)
-        if not to_run:
-            measured[shape] = out
-        elif shape in measured and fast is not None:
-            log.debug("update micro-batch %d x %d: %.2f GiB as compiled to run, %.2f GiB as "
-                     "the search measured it", *shape, out / 2**30, measured[shape] / 2**30)
-        return out
+        return max(acc_need, apply_need())
 
     return need
 

@@ -112,14 +112,6 @@ def smallest_shape(*, row_len: int, max_tokens: int, longest: Optional[int], uni
 NO_FIT = 1 << 62
 
 
-def search_compiler_options(platform: str) -> Optional[dict]:
-    """XLA's options for the programs the search compiles only to read their memory, never
-    to run: on a GPU without the autotuner, which times every matmul's candidate kernels on
-    buffers of their full size while compiling. The programs a step runs are compiled with
-    XLA's defaults (`lrl.build._compile_ahead`)."""
-    return {"xla_gpu_autotune_level": 0} if platform in ("gpu", "cuda", "rocm") else None
-
-
 def out_of_memory(e) -> bool:
     """Whether `e` (a compile's or a run's error, or its text) says the device ran out of
     memory."""

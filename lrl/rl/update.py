@@ -293,18 +293,15 @@ def compile_shapes(u: UpdatePrograms, params, micro_batches, denoms, extra=None)
                               extra)
 
 
-def need_bytes(u: UpdatePrograms, params, mb_spec: dict, extra_spec=None,
-               compiler_options: Optional[dict] = None) -> int:
+def need_bytes(u: UpdatePrograms, params, mb_spec: dict, extra_spec=None) -> int:
     """Bytes one device needs to run `accumulate` on micro-batches shaped `mb_spec`
     (ShapeDtypeStructs), beyond the parameters it is given (which are live anyway): the
-    accumulator (donated, so counted once) and the program's temporaries; compiled with XLA's
-    `compiler_options` (None: its defaults, the program a step runs), not run
+    accumulator (donated, so counted once) and the program's temporaries; compiled, not run
     (`lrl.rl.budget`)."""
     from lrl.rl.budget import program_bytes
     params = jax.tree.map(_abstract, params)
     acc = _abstract_accumulator(u, params, mb_spec, extra_spec)
-    compiled = u.programs.accumulate.lower(params, acc, mb_spec, _DENOMS,
-                                           extra_spec).compile(compiler_options)
+    compiled = u.programs.accumulate.lower(params, acc, mb_spec, _DENOMS, extra_spec).compile()
     return program_bytes(compiled) - _device_bytes(params)
 
 
