@@ -222,7 +222,8 @@ def grpo(r: Run, state, tx, pool, critic_state=None, ppo_saved: Optional[dict] =
     # budget is then what is left.
     engine = decode = None   # with the pipeline, on the rollout mesh (`pipeline`)
     least = 0
-    t0, counted = time.time(), compiles.snapshot()   # the search's cost, for the note below
+    # The search's cost, for the note below and the first step's row.
+    t0, counted, spent = time.time(), compiles.snapshot(), compiles.seconds()
     if memory is not None:
         least = found["least"] if found else need(*budget_lib.smallest_shape(**sizes))
     if r.rollout_mesh is None:
@@ -231,6 +232,7 @@ def grpo(r: Run, state, tx, pool, critic_state=None, ppo_saved: Optional[dict] =
                                  keep_decode=not offload_lib.is_offload(tx))
     budget, found = _token_budget(r, sizes, need, memory, key, found, least)
     searched = sum(compiles.since(counted).values())
+    r.writer.with_next(compiles.top(compiles.seconds_since(spent), key="setup_compile_s"))
     lengths = budget_lib.row_lengths(budget.row_len, sizes["unit"])
     tail = (f"; a minibatch's last rows in rows of {'/'.join(map(str, lengths[1:]))} tokens"
             if len(lengths) > 1 else "")

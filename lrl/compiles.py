@@ -72,10 +72,10 @@ def _costliest(spent: dict, n: int) -> list[tuple[str, str, float]]:
     return [(k, k.removeprefix("jit(").removesuffix(")"), v) for k, v in worst]
 
 
-def top(spent: dict, n: int = 6) -> dict:
-    """{"compile_s/<name>": seconds} of the `n` costliest programs in `spent`: metrics a
-    run's first step records (metrics.jsonl), the console left quiet."""
-    return {f"compile_s/{name}": v for _, name, v in _costliest(spent, n)}
+def top(spent: dict, n: int = 6, key: str = "compile_s") -> dict:
+    """{"<key>/<name>": seconds} of the `n` costliest programs in `spent`: metrics a run's
+    first step records (metrics.jsonl), the console left quiet."""
+    return {f"{key}/{name}": v for _, name, v in _costliest(spent, n)}
 
 
 def describe(spent: dict, counts: dict, n: int = 6) -> str:

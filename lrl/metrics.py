@@ -118,6 +118,7 @@ class MetricsWriter:
         self._tb_dir = os.path.join(workdir, "tb") if tensorboard and self.primary else None
         self._purge_step = None
         self._written = False
+        self._pending: dict = {}
         self.history: list[dict] = []
         self.sink = sink if self.primary else None
         if self.primary:
@@ -157,6 +158,7 @@ class MetricsWriter:
     def write(self, step: int, metrics: Mapping[str, Any], phase: str = "grpo") -> dict:
         """Records one step; returns the scalars written."""
         now = time.time()
+        metrics, self._pending = {**self._pending, **metrics}, {}
         scalars = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
         scalars["time/step_s"] = now - self._last
         self._last = now
@@ -187,6 +189,11 @@ class MetricsWriter:
         self._last = time.time()
         if self.primary:
             print(text, file=self.stream, flush=True)
+
+    def with_next(self, metrics: Mapping[str, Any]) -> None:
+        """Scalars measured between steps (a phase's set-up, which its first step's time
+        includes), written in the next step's row."""
+        self._pending.update(metrics)
 
     def note(self, text: str) -> None:
         """A line under the phase's banner: how the phase sized itself (its programs' shapes,

@@ -122,3 +122,16 @@ def test_curves_are_drawn_from_the_whole_file(tmp_path, monkeypatch):
     w.close()
     # Reward and length, steps 4-5 of the first run and 6-7 of this one, each once.
     assert drawn == [[4, 5, 6, 7], [4, 5, 6, 7]]
+
+
+def test_set_up_measurements_go_into_the_next_row_alone(tmp_path):
+    """A phase's set-up (its compiles, timed before any step) is recorded with its first step,
+    whose time includes it; the step's own keys win, and the row after carries nothing."""
+    w = metrics_lib.MetricsWriter(str(tmp_path), 3, tensorboard=False, stream=io.StringIO())
+    w.with_next({"setup_compile_s/decode_steps": 2.5, "loss": -1.0})
+    w.write(1, {"loss": 0.5})
+    w.write(2, {"loss": 0.25})
+    w.close()
+    rows = _rows(tmp_path / "metrics.jsonl")
+    assert rows[0]["setup_compile_s/decode_steps"] == 2.5 and rows[0]["loss"] == 0.5
+    assert "setup_compile_s/decode_steps" not in rows[1]

@@ -400,7 +400,8 @@ def _compared(row):
     # again, or loads from the compile cache, on its own first step), and so does the engine's running count of pages
     # allocated since it was built (per process).
     return {k: v for k, v in row.items()
-            if not k.startswith(("time/", "compiles/", "compile_cache/", "compile_s/"))
+            if not k.startswith(("time/", "compiles/", "compile_cache/", "compile_s/",
+                                "setup_compile_s/"))
             and not k.endswith("_s") and k != "rollout/pages_allocated"}
 
 

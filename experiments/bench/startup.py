@@ -86,10 +86,13 @@ def run_one(name: str, out: str, steps: int, extra: dict, smoke: bool, timeout: 
     return dict(name=name, rc=rc, wall=wall, rows=rows, workdir=workdir,
                 cpp_lines=sum(bool(CPP_LINE.match(x)) for x in console),
                 # where the start's time went: the budget search's note, step 1's compiles
-                profile=[x.strip() for x in console if "update micro-batch:" in x] + (
-                    ["step 1's costliest compiles: " + ", ".join(
-                        f"{k.split('/', 1)[1]} {v:.1f} s" for k, v in rows[0].items()
-                        if k.startswith("compile_s/"))] if rows else []),
+                profile=[x.strip() for x in console if "update micro-batch:" in x] + [
+                    f"{what}: " + ", ".join(f"{k.split('/', 1)[1]} {v:.1f} s"
+                                            for k, v in rows[0].items() if k.startswith(key))
+                    for what, key in (("the set-up's costliest compiles (the search's window)",
+                                       "setup_compile_s/"),
+                                      ("step 1's costliest compiles", "compile_s/"))
+                    if rows],
                 tail=console[-5:] if rc else [])
 
 
