@@ -191,8 +191,9 @@ class MetricsWriter:
             print(text, file=self.stream, flush=True)
 
     def with_next(self, metrics: Mapping[str, Any]) -> None:
-        """Scalars measured between steps (a phase's set-up, which its first step's time
-        includes), written in the next step's row."""
+        """Scalars measured between rows (a phase's set-up, whose time the next row's
+        `time/step_s` includes), written in the next row: the phase's first step's, or its
+        baseline eval's where it opens with one."""
         self._pending.update(metrics)
 
     def note(self, text: str) -> None:
