@@ -85,7 +85,7 @@ def run_one(name: str, out: str, steps: int, extra: dict, smoke: bool, timeout: 
     print(f"{name}: exit {rc}, {wall:.0f} s, {len(rows)} steps (log {log})", flush=True)
     return dict(name=name, rc=rc, wall=wall, rows=rows, workdir=workdir,
                 cpp_lines=sum(bool(CPP_LINE.match(x)) for x in console),
-                # where the start's time went: the budget search's note, step 1's compiles
+                # where the start's time went: the budget's note, the set-up's and step 1's compiles
                 profile=[x.strip() for x in console if "update micro-batch:" in x] + [
                     f"{what}: " + ", ".join(f"{k.split('/', 1)[1]} {v:.1f} s"
                                             for k, v in rows[0].items() if k.startswith(key))
