@@ -110,7 +110,8 @@ def test_the_second_start_loads_programs_and_skips_the_budget_search(tmp_path, m
     """Two runs of one config in two workdirs side by side (one `.lrl-cache`), device memory
     faked so the budget is searched: the second compiles nothing for the search, loads its
     programs from disk and sizes its micro-batches as the first did. Rows of 256 with a
-    minibatch's last rows cut to 128: a shape the search never compiles, compiled ahead."""
+    minibatch's last rows cut to 128: the search's first line runs through one row of each,
+    and the step runs the search's compiles, never compiling one again."""
     c = tiny_config(max_tokens_per_micro=0)
     c.rl.row_len = 256
     c.sft.steps = 0
@@ -147,7 +148,9 @@ def test_the_second_start_loads_programs_and_skips_the_budget_search(tmp_path, m
             # thread while the rollout ran, are the ones the steps run.
             distinct = {spec["tokens"].shape for spec in searched + ahead} | ran
             assert compiles.since(counted).get("jit(_accumulate)") == len(distinct), distinct
-            assert 128 in {spec["tokens"].shape[1] for spec in ahead}
+            assert 128 in {spec["tokens"].shape[1] for spec in searched}
+            assert not {spec["tokens"].shape for spec in searched} & {
+                spec["tokens"].shape for spec in ahead}
         notes.append([x for x in written if x.startswith("update micro-batch")][-1])
         assert np.isfinite(out["grpo"]["loss"])
     print(f"\nstarts (s, search compiles, programs loaded): {starts}")

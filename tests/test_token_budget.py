@@ -311,24 +311,61 @@ def test_a_shape_whose_compile_runs_out_of_memory_does_not_fit():
     assert 2 <= flat.rows_per_shard < 8 and flat.need_bytes < 10**6
 
 
+def test_the_search_draws_its_first_line_through_a_shape_the_step_compiles():
+    """The first line's second point is one row of half the length, which a minibatch's last
+    rows compile anyway (`packing.Cut.shapes`): where one full row is all that fits, the
+    search compiles nothing the step does not run (on the H100 a 1.5B update's two-row probe
+    cost a compile of its own); where more fit, the line finds them as through 1 and 2 rows;
+    a row's length that adds memory faster than rows do errs short, never past the fit."""
+    GiB = 2**30
+
+    def search(f, available, row_len=8192, unit=4):
+        tried = []
+        got = budget_lib.resolve(row_len=row_len, max_tokens=0, longest=200, unit=unit,
+                                 need_bytes=lambda rows, T: tried.append((rows, T)) or f(rows, T),
+                                 available=available)
+        cut = packing.Cut(1, got.rows_per_shard, budget_lib.row_lengths(got.row_len, unit))
+        return got.rows_per_shard, tried, set(tried) - set(cut.shapes())
+
+    linear = lambda rows, T: 9 * GiB + rows * T * 2 * 2**20   # 16 GiB a row of 8K
+    # One row fits, two do not: two compiles, both shapes the step runs.
+    assert search(linear, 40 * GiB) == (1, [(1, 8192), (1, 4096)], set())
+    # Two fit exactly: the line says so and one compile checks it.
+    got, tried, extra = search(linear, 41 * GiB)
+    assert got == 2 and tried == [(1, 8192), (1, 4096), (2, 8192)] and extra == set()
+    # More rows: found as the line through one and two full rows found them.
+    got, tried, _ = search(linear, 139 * GiB)
+    best = max(k for k in range(1, 65) if linear(k, 8192) <= 139 * GiB)
+    assert got == best and len(tried) == 3
+    # Quadratic in a row's length (XLA's own attention), linear in rows: short of the fit.
+    quad = lambda rows, T: 9 * GiB + rows * (T * 2**20 + T * T * 2**7)
+    best = max(k for k in range(1, 65) if quad(k, 8192) <= 120 * GiB)
+    got, tried, _ = search(quad, 120 * GiB)
+    assert best * 7 / 8 <= got <= best and len(tried) <= 6
+    # A need the length does not change (the optimizer step dominates): 2 full rows measured.
+    flat = lambda rows, T: 20 * GiB + rows * 2**20
+    assert search(flat, 40 * GiB)[1][:3] == [(1, 8192), (1, 4096), (2, 8192)]
+
+
 def test_the_search_compiles_few_shapes_a_right_line_three():
     """Each shape the search compiles costs seconds of a first start (~6.5 s for a 1.5B
-    update on an H200): a need that grows linearly is found with the line through 1 and 2
-    rows and one compile that checks it, where bisecting toward the top compiled four more
+    update on an H200): a need that grows linearly is found with the line through 1 and 1/2
+    a row and one compile that checks it, where bisecting toward the top compiled four more
     shapes that all failed; a need that grows faster ends within an eighth of the largest
     that fits."""
     GiB = 2**30
 
-    def search(f, available):
+    def search(f, available):   # f of the micro-batch's tokens, in full rows
         tried = []
         got = budget_lib.resolve(row_len=256, max_tokens=0, longest=200, unit=1,
-                                 need_bytes=lambda rows, T: tried.append(rows) or f(rows),
+                                 need_bytes=lambda rows, T: tried.append(rows * T / 256) or f(
+                                     rows * T / 256),
                                  available=available)
         best = max(k for k in range(1, 65) if f(k) <= available)
         return got.rows_per_shard, best, tried
 
-    assert search(lambda k: 20 * GiB + 3 * GiB * k, 120 * GiB) == (33, 33, [1, 2, 33])
-    assert search(lambda k: 60 * GiB + 9 * GiB * k, 100 * GiB) == (4, 4, [1, 2, 4])
+    assert search(lambda k: 20 * GiB + 3 * GiB * k, 120 * GiB) == (33, 33, [1, 0.5, 33])
+    assert search(lambda k: 60 * GiB + 9 * GiB * k, 100 * GiB) == (4, 4, [1, 0.5, 4])
     got, best, tried = search(lambda k: 40 * GiB + 4 * GiB * k + 0.3 * GiB * k * k, 110 * GiB)
     assert best * 7 / 8 <= got <= best and len(tried) <= 6 and len(set(tried)) == len(tried)
     # Less than an eighth more is not worth a compile; a concave need (XLA reusing buffers)

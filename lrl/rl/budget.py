@@ -4,7 +4,10 @@ start-up from device memory, by asking the compiler what the update's accumulate
 needs at two sizes and fitting a line through them (the activations the remat policy keeps,
 the logits chunk and the attention workspace all grow with the micro-batch's tokens; the
 parameters, optimizer state and gradient accumulator do not), then checking the chosen size
-by compiling it too (`_fit`: a line that was right costs three compiles).
+by compiling it too (`_fit`: a line that was right costs three compiles). The two sizes are
+one full row and one row of about half its length: the step compiles the second anyway, for
+a minibatch's last rows, so where one row is all that fits the search costs no compile the
+step would not make.
 
 A micro-batch is `rows_per_shard` packed rows of `row_len` tokens on each data shard (a row
 spans the shard's `seq` devices). With `rl.row_len=0` and a budget to derive, a row holds the
@@ -176,8 +179,15 @@ def resolve(*, row_len: int, max_tokens: int, longest: Optional[int], unit: int,
                      "(%d rows need %.1f GiB at the least, %.1f GiB are free)", top, row_len,
                      top + 1, floor_bytes(top + 1, row_len) / 2**30, available / 2**30)
         max_rows = top
+    # The second point of the first line: one row of the next shorter length a minibatch's
+    # last rows take, a shape the step compiles anyway (`packing.Cut.shapes`), where two full
+    # rows were compiled for the search alone (and, where they do not fit, thrown away).
+    lengths = row_lengths(row_len, unit, align)
+    seed = None
+    if len(lengths) > 1 and max_rows > 1:
+        seed = (lengths[1] / row_len, lambda: need_bytes(1, lengths[1]))
     return _fit(lambda k: need_bytes(k, row_len), 1, 1, available,
-                lambda k: Budget(row_len, k, True), longest, max_scale=max_rows)
+                lambda k: Budget(row_len, k, True), longest, max_scale=max_rows, seed=seed)
 
 
 def logits_floor(vocab: int, seq: int = 1, tensor: int = 1) -> Callable[[int, int], int]:
@@ -193,7 +203,8 @@ def logits_floor(vocab: int, seq: int = 1, tensor: int = 1) -> Callable[[int, in
 
 def _fit(need: Callable[[int], int], base: int, step: int, available: int,
          make: Callable[[int], Budget], longest, max_scale: int, tries: int = 4,
-         gain: float = 1 / 8) -> Budget:
+         gain: float = 1 / 8,
+         seed: Optional[tuple[float, Callable[[], int]]] = None) -> Budget:
     """The largest size (a multiple of `step`, from `base` up to `max_scale` x `base`) whose
     measured need fits `available`, in few compiles (each ~4-7 s for a 1.5B model's update on
     a GPU, most of a first start). The need grows about linearly with the micro-batch's
@@ -206,7 +217,13 @@ def _fit(need: Callable[[int], int], base: int, step: int, available: int,
     that was right costs one compile beyond its two points, where bisecting up to the top
     cost four more that all failed. A size whose compile ran out of memory (`NO_FIT`) gives
     no line to draw: the next size halves the gap. `tries` compiles at most after the
-    first two."""
+    first two. `seed`: (a size below `base`, in units of it, and its need, measured on
+    asking) for the first line's second point in place of 2 x `base`, where that size is
+    one the caller compiles anyway (`resolve`: one row of half the length). Rows add
+    memory linearly; a row's length may add it faster (XLA's own attention, its square),
+    which makes the short point's slope the steeper: the line then errs short of the
+    largest fit rather than past it, and a size it points to past `base` is compiled to
+    check, as any other."""
     n1, n2 = base, 2 * base
     seen = {n1: need(n1)}
     if seen[n1] > available:
@@ -217,7 +234,12 @@ def _fit(need: Callable[[int], int], base: int, step: int, available: int,
             "rl.max_new_tokens / data.max_prompt_len, use more devices (fsdp, seq) or a "
             "remat policy that keeps less")
     top = max_scale * base
-    if top >= n2:
+    if seed is not None and top >= n2:
+        x, need_x = seed
+        below = need_x()
+        if below < seen[n1]:   # else no slope to draw: measure 2 x base as without a seed
+            seen[x * base] = below
+    if top >= n2 and len(seen) == 1:
         seen[n2] = need(n2)
     for i in range(tries + 1):
         fits = sorted(n for n, b in seen.items() if b <= available)
