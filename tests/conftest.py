@@ -10,27 +10,30 @@ if "xla_force_host_platform_device_count" not in _flags:
 os.environ["XLA_FLAGS"] = with_speed_flags(_flags)   # tests/xla_env.py says why
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# One persistent compilation cache for the whole session, shared by both xdist workers and
+# every process a test starts (a bench's smoke run, a notebook, `python -m lrl.main`): the tests
+# build the same tiny models and steps again and again behind fresh jit closures and in fresh
+# processes, and an identical program loads from disk instead of compiling. The process that
+# starts the session makes a fresh folder and names it in the environment, which the workers and
+# their children inherit (nothing carries over between sessions, so no test sees a program it
+# did not compile this session). A size cap makes jax lock the folder while it reads or writes
+# an entry, so one process never reads another's half-written program. LRL_TEST_XLA_CACHE=0
+# turns it off. Runs that enable their own cache (`lrl.compile_cache.enabled`) switch to theirs
+# while they run and back after.
+if os.environ.get("LRL_TEST_XLA_CACHE", "1") != "0" and "LRL_TEST_XLA_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+    _cache = tempfile.mkdtemp(prefix="lrl-test-xla-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ.update(LRL_TEST_XLA_CACHE_DIR=_cache, JAX_COMPILATION_CACHE_DIR=_cache,
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.05",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+                      JAX_COMPILATION_CACHE_MAX_SIZE=str(64 * 2**30))
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-
-import atexit  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-
-# One persistent compilation cache for the whole session: the tests build the same tiny
-# models and steps again and again behind fresh jit closures, and an identical program loads
-# from disk instead of compiling. A fresh folder each session (nothing carries over between
-# runs, so no test sees a program it did not compile this session); LRL_TEST_XLA_CACHE=0
-# turns it off. Runs that enable their own cache (`lrl.compile_cache.enabled`) switch to
-# theirs while they run and back after.
-if os.environ.get("LRL_TEST_XLA_CACHE", "1") != "0":
-    _cache = tempfile.mkdtemp(prefix="lrl-test-xla-cache-")
-    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-    jax.config.update("jax_compilation_cache_dir", _cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
 
 import gc  # noqa: E402
 
@@ -44,6 +47,21 @@ def _free_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _one_program_cache(request, monkeypatch):
+    """A run inside a test (`lrl.loop.run`, whose `compile_cache` is "auto": a fresh
+    `.lrl-cache` beside each test's workdir) keeps its programs in the suite's cache above, so
+    the next test's run loads the tiny model's programs this one compiled; its budgets still go
+    to its own folder. Tests of the cache itself (`@pytest.mark.own_compile_cache`) keep the
+    run's own folder, as a user's run has it."""
+    suite = os.environ.get("LRL_TEST_XLA_CACHE_DIR")
+    if suite and not request.node.get_closest_marker("own_compile_cache"):
+        from lrl import compile_cache
+        monkeypatch.setattr(compile_cache.Cache, "jax_path",
+                            property(lambda self: suite if self.path else None))
+    yield
 
 
 @pytest.hookimpl(optionalhook=True)   # xdist's hook: without xdist (`-p no:xdist`) unused

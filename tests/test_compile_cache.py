@@ -18,6 +18,9 @@ from lrl.rl import budget as budget_lib
 from lrl.rl import update as update_lib
 from tests.test_loop import tiny_config
 
+# These tests count what a run loads from its own cache: the suite's shared one stays out.
+pytestmark = pytest.mark.own_compile_cache
+
 HIT = "/jax/compilation_cache/cache_hits"
 
 
