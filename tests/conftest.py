@@ -1,10 +1,14 @@
 """The suite runs on CPU with 8 virtual devices; the flag must be set before jax loads."""
 import os
 
-from tests.xla_env import with_speed_flags
+from tests.xla_env import chooses_level, with_speed_flags
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
+# Unoptimised programs but for the tests marked `optimized` (`_optimization` below)
+SUITE_CHOOSES_LEVEL = not chooses_level(_flags)
+if SUITE_CHOOSES_LEVEL:
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ["XLA_FLAGS"] = with_speed_flags(_flags)   # tests/xla_env.py says why
@@ -47,6 +51,20 @@ def _free_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _optimization(request, monkeypatch):
+    """Tests marked `optimized` compile at the suite's flags' level (1), in this process and
+    the ones it starts: their programs run many times. The rest compile unoptimised
+    (tests/xla_env.py says why)."""
+    if SUITE_CHOOSES_LEVEL and request.node.get_closest_marker("optimized"):
+        monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
+        jax.config.update("jax_disable_most_optimizations", False)
+        yield
+        jax.config.update("jax_disable_most_optimizations", True)
+    else:
+        yield
 
 
 @pytest.fixture(autouse=True)
