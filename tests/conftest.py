@@ -32,8 +32,12 @@ if os.environ.get("LRL_TEST_XLA_CACHE", "1") != "0" and "LRL_TEST_XLA_CACHE_DIR"
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ.update(LRL_TEST_XLA_CACHE_DIR=_cache, JAX_COMPILATION_CACHE_DIR=_cache,
                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.05",
-                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-                      JAX_COMPILATION_CACHE_MAX_SIZE=str(64 * 2**30))
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    try:   # the cap's lock is `filelock`'s (torch and transformers bring it)
+        import filelock  # noqa: F401
+        os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(64 * 2**30)
+    except ImportError:
+        pass
 
 import jax  # noqa: E402
 
