@@ -12,11 +12,11 @@ test optimised code.
 
 Unoptimised code is the faster trade only where compiling is most of a test. A test whose
 programs run many times (a multi-turn rollout over several steps) runs them 5-8 times slower
-unoptimised: the partial tools loop took 172 s so and 98 s at LLVM's level 1 (2026-12-07), and
-the whole suite 27 min unoptimised, 39 optimised. So the flags ask for level 1 and jax's
-`jax_disable_most_optimizations` (read at each compile) takes it to 0 for every test but those
-marked `@pytest.mark.optimized` (tests/conftest.py); the processes a test starts inherit the
-choice through JAX_DISABLE_MOST_OPTIMIZATIONS.
+unoptimised: the partial tools loop took 172 s unoptimised and 98 s at LLVM's level 1
+(2026-12-07), and the whole suite 27 min unoptimised, 39 at level 1. So the flags ask for
+level 1 and jax's `jax_disable_most_optimizations` (read at each compile) takes it to 0 for
+every test but those marked `@pytest.mark.optimized` (tests/conftest.py); the processes a test
+starts inherit the choice through JAX_DISABLE_MOST_OPTIMIZATIONS.
 """
 import importlib.metadata
 import os
