@@ -22,8 +22,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # their children inherit (nothing carries over between sessions, so no test sees a program it
 # did not compile this session). A size cap makes jax lock the folder while it reads or writes
 # an entry, so one process never reads another's half-written program. LRL_TEST_XLA_CACHE=0
-# turns it off. Runs that enable their own cache (`lrl.compile_cache.enabled`) switch to theirs
-# while they run and back after.
+# turns it off. Runs inside tests keep their programs here too (`_one_program_cache` below).
 if os.environ.get("LRL_TEST_XLA_CACHE", "1") != "0" and "LRL_TEST_XLA_CACHE_DIR" not in os.environ:
     import atexit
     import shutil

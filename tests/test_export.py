@@ -44,7 +44,7 @@ def _save_run(family, tmp, with_model_config=True, tokenizer=None, steps=(3, 5))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-@pytest.mark.optimized   # runs its programs many times
+@pytest.mark.optimized
 def test_fp32_export_matches_lrl_forward(family, tmp_path):
     cfg, params = _save_run(family, tmp_path)
     out = tmp_path / "out"

@@ -51,7 +51,7 @@ def test_cispo_by_hand():
 
 
 @pytest.mark.slow
-@pytest.mark.optimized   # runs its programs many times
+@pytest.mark.optimized
 def test_tiny_grpo_run_with_the_plugins(tmp_path, monkeypatch):
     calls, real = [], passk.passk_advantages
 

@@ -246,7 +246,7 @@ def test_a_second_multi_turn_rollout_compiles_nothing(setup):
     assert compiles.since(before) == {}
 
 
-@pytest.mark.optimized   # runs its programs many times
+@pytest.mark.optimized
 def test_sampled_turns_draw_the_same_tokens_whether_pages_stay_or_go(setup, monkeypatch):
     """A sample's draws are keyed by (sample, model tokens so far) across its turns, so a
     sampled rollout whose waiting samples' pages are released and prefilled again draws what

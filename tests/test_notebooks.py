@@ -165,7 +165,7 @@ def test_long_context(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.optimized   # runs its programs many times
+@pytest.mark.optimized
 def test_export(tmp_path, monkeypatch):
     nb, text = _run("export", monkeypatch, workdir=tmp_path)
     files = set(os.listdir(tmp_path / "hf"))

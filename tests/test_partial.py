@@ -114,7 +114,7 @@ def _assert_same(trained, want, prompts):
             np.testing.assert_array_equal(trained[prompt.answer][g], want.completions[2 * p + g])
 
 
-@pytest.mark.optimized   # runs its programs many times
+@pytest.mark.optimized
 def test_greedy_partial_rollout_with_kept_pages_equals_one_uninterrupted_rollout():
     """Carried samples resume from their KV pages kept in the engine's pool, with no prefill;
     with unchanged weights the tokens are those of one uninterrupted rollout, and once every
@@ -407,7 +407,7 @@ def _compared(row):
 
 
 @pytest.mark.slow
-@pytest.mark.optimized   # runs its programs many times
+@pytest.mark.optimized
 def test_resume_after_sigterm_with_carried_samples_equals_the_uninterrupted_run(
         tmp_path, monkeypatch):
     """The checkpoint saves the carried groups: the resumed run continues the same samples and

@@ -126,7 +126,7 @@ def test_a_partial_steps_reinforce_pp_whitens_over_its_own_samples_with_no_new_c
 
 
 @pytest.mark.slow
-@pytest.mark.optimized   # runs its programs many times
+@pytest.mark.optimized
 def test_tiny_loop_runs_partial_rollouts_with_dynamic_sampling(tmp_path):
     c, build = _loop_config(steps=5)
     c.rl.dynamic_sampling = True
@@ -147,7 +147,7 @@ def test_tiny_loop_runs_partial_rollouts_with_dynamic_sampling(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.optimized   # runs its programs many times
+@pytest.mark.optimized
 def test_tiny_loop_runs_partial_rollouts_with_reinforce_pp(tmp_path, monkeypatch):
     c, build = _loop_config(steps=5)
     c.rl.estimator = "reinforce_pp"

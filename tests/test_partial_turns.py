@@ -160,7 +160,7 @@ def _same(row):
 
 
 @pytest.mark.slow
-@pytest.mark.optimized   # runs its programs many times
+@pytest.mark.optimized
 def test_tools_loop_with_partial_rollouts_resumes_mid_trajectory_as_the_uncut_run(
         tmp_path, monkeypatch):
     """`tools_runlocal` with `rollout.partial` and the shared-prompt layout: trajectories

@@ -21,7 +21,7 @@ def _steps(path):
 
 
 @pytest.mark.slow
-@pytest.mark.optimized   # runs its programs many times
+@pytest.mark.optimized
 def test_death_between_checkpoints_then_a_step_without_its_data(tmp_path, monkeypatch):
     cfg = tiny_config()
     cfg.eval.every = 0

@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
-@pytest.mark.optimized   # runs its programs many times
+@pytest.mark.optimized
 def test_video_frames_small_with_the_shared_prompt():
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench", "video_frames.py"),
            "--small", "--frames", "8", "--seq", "1", "--answers", "2",

@@ -32,7 +32,7 @@ def test_video_reward():
     assert video_reward("\\boxed{03}", "3") == 0.0
 
 
-@pytest.mark.optimized   # runs its programs many times
+@pytest.mark.optimized
 def test_rollout_of_a_video_prompt_matches_the_forward():
     """Greedy samples from embeddings + M-RoPE prefill and `length + delta` decode positions
     equal the argmax (and log-probs) of the full multimodal forward over prompt + sample."""
