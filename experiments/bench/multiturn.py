@@ -40,19 +40,6 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # run from anywhere
 
 
-def model_config(smoke: bool):
-    import jax.numpy as jnp
-    from lrl.models.config import ModelConfig
-    if smoke:
-        return ModelConfig(model_type="qwen2", vocab_size=512, d_model=64, n_layers=2, n_heads=4,
-                           n_kv_heads=2, head_dim=16, mlp_dim=128, qkv_bias=True,
-                           tie_embeddings=True, remat="none")
-    return ModelConfig(model_type="qwen2", vocab_size=151936, d_model=1536, n_layers=28,
-                       n_heads=12, n_kv_heads=2, head_dim=128, mlp_dim=8960, rms_norm_eps=1e-6,
-                       rope_theta=1e6, qkv_bias=True, tie_embeddings=True, dtype=jnp.bfloat16,
-                       param_dtype=jnp.bfloat16, remat="none")
-
-
 class Tools:
     """The `Turns` of the bench: after a trajectory's turn its tool sleeps `latency` in a
     thread, then answers --obs fixed tokens (None after the K-th turn). `barrier`: the
@@ -196,6 +183,7 @@ def main():
     import jax
     from lrl import compiles
     from lrl.models import init_params
+    from experiments.bench.rollout import model_config   # the same shapes as the rollout bench
     cfg = model_config(a.smoke)
     params = init_params(cfg, jax.random.key(0))
     engine, prompts, lengths, obs, limit = build(a, cfg)
