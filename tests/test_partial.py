@@ -406,6 +406,17 @@ def _compared(row):
             and not k.endswith("_s") and k != "rollout/pages_allocated"}
 
 
+def _assert_rows_match(got, want, kept=_compared):
+    for a, b in zip(got, want):
+        a, b = kept(a), kept(b)
+        assert sorted(a) == sorted(b)
+        for k in a:
+            if isinstance(a[k], str):
+                assert a[k] == b[k], k
+            else:
+                np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 @pytest.mark.slow
 @pytest.mark.optimized
 def test_resume_after_sigterm_with_carried_samples_equals_the_uninterrupted_run(
@@ -444,14 +455,7 @@ def test_resume_after_sigterm_with_carried_samples_equals_the_uninterrupted_run(
     assert all("partial/dropped_on_resume" not in r for r in got)
     assert all(np.isfinite(r["loss"]) for r in got[3:])
     assert got[3]["partial/reprefill_tokens"] > 0 and got[3]["partial/kept_samples"] == 0
-    for a, b in zip(got, want):
-        a, b = _compared(a), _compared(b)
-        assert sorted(a) == sorted(b)
-        for k in a:
-            if isinstance(a[k], str):
-                assert a[k] == b[k], k
-            else:
-                np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    _assert_rows_match(got, want)
 
 
 @pytest.mark.slow

@@ -171,7 +171,7 @@ def test_tools_loop_with_partial_rollouts_resumes_mid_trajectory_as_the_uncut_ru
     from lrl import build as build_lib
     from lrl import loop
     from lrl.envs import driver as driver_lib
-    from tests.test_partial import _rows, _run_cut
+    from tests.test_partial import _assert_rows_match, _rows, _run_cut
     # Environment steps in the driver's own process, each ready at its turn's end: with the
     # pool's threads (reward.num_workers=0) a step may or may not be done by the scheduler's
     # next poll, which moves where the token budget cuts the trajectories, so two runs (the
@@ -192,11 +192,4 @@ def test_tools_loop_with_partial_rollouts_resumes_mid_trajectory_as_the_uncut_ru
     assert cut[-1]["partial/carried_samples"] > 0   # the checkpoint holds trajectories mid-way
     got = [r for r in _rows(tmp_path / "cut") if "partial/carried_samples" in r]
     assert [r["step"] for r in got] == [21, 22, 23, 24, 25]
-    for a, b in zip(got, want):
-        a, b = _same(a), _same(b)
-        assert sorted(a) == sorted(b)
-        for k in a:
-            if isinstance(a[k], str):
-                assert a[k] == b[k], k
-            else:
-                np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    _assert_rows_match(got, want, _same)
