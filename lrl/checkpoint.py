@@ -260,14 +260,16 @@ def restore_params(directory, step=None, device=None, params_key="params") -> Re
         steps = sorted(m.all_steps(), reverse=True)
         if step is not None:
             steps = [s for s in steps if s == step] or _no_step(root, step, steps)
+        unread = []
         for s in steps:  # the newest step whose tree metadata reads gives shapes and dtypes
             try:
                 saved = _saved_tree(root / str(s))
                 break
-            except Exception:  # noqa: BLE001 -- reported by _restore_newest_good below
-                continue
+            except Exception as e:  # noqa: BLE001 -- a newer step's is said by _restore_newest_good
+                unread.append(f"step {s} ({root / str(s)}): {type(e).__name__}: {e}"[:400])
         else:
-            raise CheckpointError(f"no checkpoint with readable metadata in {root}")
+            raise CheckpointError(f"no checkpoint in {root} has a readable state: "
+                                  + "; ".join(unread))
         if params_key and params_key not in saved:
             raise CheckpointError(f"the state in {root / str(s)} has no top-level "
                                   f"{params_key!r} entry (has {sorted(saved)})")

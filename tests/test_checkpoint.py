@@ -264,6 +264,22 @@ def test_no_good_checkpoint_is_an_error(tmp_path):
         ck.restore_latest(tmp_path, abstract)
 
 
+def test_params_restore_names_each_step_whose_state_cannot_be_read(tmp_path):
+    """Export reads the state's tree metadata first: when no step's reads, the error names
+    each step, its folder and the reader's reason, not only the checkpoint folder."""
+    with ck.CheckpointManager(tmp_path, keep=5) as mgr:
+        for s in (1, 2):
+            mgr.save(s, small_state(s))
+    for s in (1, 2):
+        (tmp_path / str(s) / "state" / "_sharding").write_text("{not json")
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.restore_params(tmp_path, params_key="")
+    text = str(e.value)
+    for s in (1, 2):
+        assert f"step {s} ({tmp_path / str(s)})" in text
+    assert "_sharding" in text
+
+
 def test_sigterm_sets_the_flag_and_handler_is_restored():
     before = signal.getsignal(signal.SIGTERM)
     with ck.PreemptionGuard() as guard:
