@@ -63,7 +63,7 @@ from lrl import checkpoint_space
 from lrl import xla_env
 from lrl.checkpoint_items import (  # noqa: F401  (the public names, re-exported)
     CheckpointError, StateMismatchError, abstract_state, checksums, model_config_from_dict,
-    model_config_to_dict)
+    model_config_to_dict, weights_only)
 from lrl.models.config import ModelConfig
 from lrl.preemption import PreemptionGuard, agree_any  # noqa: F401  (PreemptionGuard re-exported)
 
@@ -89,6 +89,7 @@ class Restored:
     path: str                   # the step directory that was read
     trees: dict = dataclasses.field(default_factory=dict)   # further states asked for and saved
     skipped: list = dataclasses.field(default_factory=list)  # [(step, path, reason)] newer, bad
+    weights_only: bool = False  # saved with checkpoint.contents="weights": no optimizer state
 
 
 def _saved_tree(step_dir: epath.Path):
@@ -142,6 +143,10 @@ def _restore_step(mgr, step: int, step_dir: epath.Path, abstract, partial=False,
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"meta of step {step} is {meta!r}, expected format {FORMAT}")
     _check_items(step, step_dir, needed(meta.get("items", ())))
+    weights = meta.get("contents") == "weights"
+    if weights:   # the optimizer starts afresh on these weights (the caller makes its state)
+        abstract = ci.weights_only(abstract)
+        trees = {n: ci.weights_only(t) for n, t in (trees or {}).items()}
     impls = {}
 
     def raw(path, x):
@@ -191,7 +196,8 @@ def _restore_step(mgr, step: int, step_dir: epath.Path, abstract, partial=False,
                     data_state=ci.decode_data(got["data"]) if "data" in items else None,
                     config=got["config"] if "config" in items else None,
                     model_config=ci.model_config_from_dict(mc) if mc is not None else None,
-                    path=str(step_dir), trees={n: got[n] for n in extra})
+                    path=str(step_dir), trees={n: got[n] for n in extra},
+                    weights_only=weights)
 
 
 def _uncommitted(root: epath.Path, after: int) -> list[epath.Path]:
@@ -340,12 +346,17 @@ class CheckpointManager:
 
     `every_steps`: save when `step % every_steps == 0`; `every_minutes`: save when that much
     time has passed since the last save (or since start). Either may be 0 (off).
+    `contents`: "full", or "weights": train states saved without their optimizer state (a
+    third of a state with fp32 masters and Adam moments), restored with `weights_only` set.
     """
 
     def __init__(self, directory, keep: int = 3, every_steps: int = 0,
-                 every_minutes: float = 0.0, async_save: bool = True):
+                 every_minutes: float = 0.0, async_save: bool = True, contents: str = "full"):
         if keep < 1:
             raise ValueError(f"keep={keep}: keep at least one checkpoint")
+        if contents not in ("full", "weights"):
+            raise ValueError(f"contents={contents!r}: 'full' or 'weights'")
+        self.contents = contents
         if every_steps < 0 or every_minutes < 0:
             raise ValueError(f"every_steps={every_steps}, every_minutes={every_minutes} must "
                              "be >= 0")
@@ -369,11 +380,13 @@ class CheckpointManager:
     def latest_step(self) -> Optional[int]:
         return self._mgr.latest_step()
 
-    def space_warning(self, state_bytes: int) -> Optional[str]:
+    def space_warning(self, state_bytes: int, weights_bytes: int = 0) -> Optional[str]:
         """What to tell the user when the disk cannot hold the saves to come (the next, and
-        `keep` of them), or None (`lrl.checkpoint_space`)."""
+        `keep` of them), or None (`lrl.checkpoint_space`). `weights_bytes`: what a save of
+        the weights only would hold, named as the way out where that fits."""
         return checkpoint_space.warning(self.directory, self.keep, self.all_steps(),
-                                        state_bytes)
+                                        state_bytes, weights_bytes
+                                        if self.contents == "full" else 0)
 
     def should_save(self, step: int) -> bool:
         """The cadence, plus JAX's preemption sync point on multi-host runs."""
@@ -395,6 +408,9 @@ class CheckpointManager:
         if step == self._last_step or step in self._mgr.all_steps():
             log.info("checkpoint: step %d is already saved", step)
             return False
+        if self.contents == "weights":
+            state = ci.weights_only(state)
+            trees = {n: ci.weights_only(t) for n, t in (trees or {}).items()}
         raw, impls = ci.unwrap_keys(state)
         items = {"state": ocp.args.PyTreeSave(raw)}
         if data_state is not None:
@@ -409,6 +425,7 @@ class CheckpointManager:
                 raise ValueError(f"checkpoint: a further tree cannot be named {name!r}")
             items[name] = ocp.args.PyTreeSave(tree)
         items["meta"] = ocp.args.JsonSave({"format": FORMAT, "step": int(step),
+                                           "contents": self.contents,
                                            "time": time.time(), "prng_impls": impls,
                                            "checksums": ci.checksums(raw),
                                            "tree_checksums": {n: ci.checksums(t) for n, t in

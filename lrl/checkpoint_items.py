@@ -116,6 +116,17 @@ def is_key(x) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def weights_only(state):
+    """A train state as `checkpoint.contents="weights"` saves it: its update count and its
+    master weights in `params` (offloaded, those are the host copy, `OffloadState.masters`;
+    the device's compute copy is cast from them), no optimizer state (moments, the schedule's
+    count); any other tree as it is."""
+    if "opt_state" not in getattr(state, "_fields", ()):
+        return state
+    masters = getattr(state.opt_state, "masters", None)
+    return state._replace(params=state.params if masters is None else masters, opt_state=None)
+
+
 def unwrap_keys(state):
     """Typed PRNG keys -> raw key data, and {leaf path: impl name} to wrap them back."""
     impls = {}

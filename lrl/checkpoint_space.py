@@ -79,9 +79,11 @@ def estimate(directory, steps: list[int], state_bytes: int) -> tuple[int, str]:
     return state_bytes, "the state's arrays hold (before orbax's compression)"
 
 
-def warning(directory, keep: int, steps: list[int], state_bytes: int) -> Optional[str]:
+def warning(directory, keep: int, steps: list[int], state_bytes: int,
+            weights_bytes: int = 0) -> Optional[str]:
     """A message when the disk cannot hold the saves to come, else None. Keeping `keep` steps
-    needs room for `keep + 1` while a save is written (the oldest goes once it commits)."""
+    needs room for `keep + 1` while a save is written (the oldest goes once it commits).
+    `weights_bytes` (0 = not offered): a save of the weights only, suggested where it fits."""
     free = free_bytes(directory)
     if free is None:
         return None
@@ -91,10 +93,14 @@ def warning(directory, keep: int, steps: list[int], state_bytes: int) -> Optiona
         return None
     which = ("the next save cannot fit" if free < need else
              f"the next save fits, but keeping {keep} needs room for {more}")
+    light = ""
+    if weights_bytes and free >= max(1, keep + 1 - len(steps)) * weights_bytes:
+        light = (f", or save the weights only (checkpoint.contents=weights: "
+                 f"{size(weights_bytes)} a save; a resume then restarts the optimizer)")
     return (f"checkpoints: {which}: {os.fspath(directory)} has {size(free)} free and "
-            f"{basis} {size(need)}. Free space, point --workdir at a larger disk, or "
-            f"keep fewer (checkpoint.keep={keep}); a save that runs out of space stops the run "
-            "and loses the steps since the last one")
+            f"{basis} {size(need)}. Free space, point --workdir at a larger disk, "
+            f"keep fewer (checkpoint.keep={keep}){light}; a save that runs out of space stops "
+            "the run and loses the steps since the last one")
 
 
 def no_space(e: BaseException) -> bool:

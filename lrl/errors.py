@@ -152,7 +152,8 @@ def out_of_disk(e: BaseException, config=None, workdir: str | None = None) -> Us
         f"the disk of {workdir}" + (f" ({space.size(free)} free now)" if free is not None
                                     else ""),
         "free space or point --workdir at a larger disk (checkpoints are the largest files: "
-        "keep fewer with checkpoint.keep" + (f", now {keep}" if keep is not None else "") + ")",
+        "keep fewer with checkpoint.keep" + (f", now {keep}" if keep is not None else "")
+        + ", or save the weights only with checkpoint.contents=weights)",
         details=details)
 
 

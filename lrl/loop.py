@@ -35,6 +35,7 @@ from lrl import errors
 from lrl import grpo, step_setup, tasks, trajectories, wandb_sink
 from lrl import mesh as mesh_lib
 from lrl import pipeline as pipeline_lib
+from lrl import ppo as ppo_lib
 from lrl import preflight
 from lrl.build import Run
 from lrl.groups import Groups
@@ -74,7 +75,7 @@ def _run(opts, config, workdir: str, cache: compile_cache.Cache, mesh, rollout_m
     c = opts.checkpoint
     with ckpt_lib.PreemptionGuard() as guard, ckpt_lib.CheckpointManager(
             os.path.join(workdir, "checkpoints"), keep=c.keep, every_steps=c.every_steps,
-            every_minutes=c.every_minutes) as ckpt:
+            every_minutes=c.every_minutes, contents=c.contents) as ckpt:
         ckpt.save_tokenizer(task.tokenizer)
         wb = wandb_sink.settings(opts.metrics)
         writer = MetricsWriter(workdir, opts.sft.steps + opts.rl_steps,
@@ -106,7 +107,12 @@ def _run_phases(r: Run, build: Build, step: Step) -> dict:
         log.info("resumed from %s (step %d, phase %s)", restored.path, restored.step,
                  restored.data_state.get("phase"))
         r.task.restore(restored.data_state.get("task", {}))
-    full = r.ckpt.space_warning(ckpt_space.tree_bytes(abstract, trees))
+        if restored.weights_only:
+            _fresh_optimizers(r, restored, sft_tx, rl_tx)
+    light = ckpt_space.tree_bytes(ckpt_lib.weights_only(abstract),
+                                  {n: ckpt_lib.weights_only(t) for n, t in trees.items()})
+    full = r.ckpt.space_warning(
+        light if r.ckpt.contents == "weights" else ckpt_space.tree_bytes(abstract, trees), light)
     if full:
         log.warning(full)
     # Rows logged after the restored checkpoint by a run that died are logged again: cut them.
@@ -132,6 +138,21 @@ def _run_phases(r: Run, build: Build, step: Step) -> dict:
                                  restored.path if restored else "", saved, build=build,
                                  step_fn=step)
     return out
+
+
+def _fresh_optimizers(r: Run, restored, sft_tx, rl_tx) -> None:
+    """A step saved with `checkpoint.contents="weights"` has no optimizer state: each train
+    state starts its optimizer again on the restored weights, its update count kept."""
+    st = restored.state
+    tx = sft_tx if restored.data_state.get("phase") == "sft" else rl_tx
+    restored.state = build_lib.train_state(r, st.params, tx)._replace(step=st.step)
+    if "critic" in restored.trees:
+        c = restored.trees["critic"]
+        restored.trees["critic"] = ppo_lib.critic_on(r.opts, r.task.model_cfg, r.mesh,
+                                                      c.params)._replace(step=c.step)
+    log.warning("resume: step %d (%s) holds the weights only (checkpoint.contents='weights'): "
+                "the optimizer starts again, its moments at zero and its learning-rate "
+                "schedule from its warm-up", restored.step, restored.path)
 
 
 def _checkpoint(r: Run, step: int, state, data_state: Callable[[], dict],

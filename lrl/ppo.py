@@ -127,6 +127,13 @@ def init_critic(opts, model_cfg, mesh, policy_params) -> TrainState:
     return critic_lib.init_state(ccfg, params, critic_optimizer(opts), mesh)
 
 
+def critic_on(opts, model_cfg, mesh, params) -> TrainState:
+    """The critic's train state on restored `params`, its optimizer fresh (a checkpoint that
+    kept the weights only)."""
+    ccfg = critic_lib.critic_config(model_cfg, opts.critic.remat)
+    return critic_lib.init_state(ccfg, params, critic_optimizer(opts), mesh)
+
+
 def _load_hf_critic(path: str, ccfg, mesh):
     """A HF *ForTokenClassification (one label) or *ForSequenceClassification checkpoint ->
     the critic's parameters (`lrl.models.score.load_hf_score`): its decoder, and its `score`

@@ -432,6 +432,10 @@ class Checkpoint:
     every_minutes: float = field(0.0, "save when this long has passed since the last; 0 = not by "
                                  "time", ge=0)
     keep: int = field(2, "checkpoints kept", ge=1)
+    contents: str = field("full", "full = weights and optimizer state (an exact resume); "
+                          "weights = the master weights only, a third of an Adam state's "
+                          "size: export reads them, a resume restarts the optimizer",
+                          choices=("full", "weights"))
 
 
 @_frozen

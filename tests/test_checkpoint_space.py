@@ -74,6 +74,21 @@ def test_the_manager_warns_with_its_keep_and_steps(tmp_path, disk):
         disk["n"] = 1000
         msg = m.space_warning(space.tree_bytes(state))
         assert "step 1 takes" in msg and "checkpoint.keep=2" in msg
+        assert "contents=weights" not in msg     # not offered: no size of it given
+
+
+def test_the_weights_only_save_is_offered_where_it_fits(tmp_path, disk):
+    d = tmp_path / "c"
+    disk["n"] = 3 * MiB
+    # 10 MiB a full save, 1 MiB the weights alone: keep=2 needs room for 3 of them.
+    msg = space.warning(d, 2, [], state_bytes=10 * MiB, weights_bytes=MiB)
+    assert "the next save cannot fit" in msg
+    assert "checkpoint.contents=weights: 1.0 MiB a save" in msg
+    msg = space.warning(d, 2, [], state_bytes=10 * MiB, weights_bytes=2 * MiB)
+    assert "contents=weights" not in msg     # 3 saves of 2 MiB do not fit 3 MiB either
+    with ck.CheckpointManager(d, keep=2, contents="weights") as m:
+        assert m.space_warning(10 * MiB, MiB) is not None      # its own size is the first
+        assert "contents=weights" not in m.space_warning(10 * MiB, MiB)
 
 
 def test_no_space_follows_the_chain_and_the_text():
