@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # run from anywhere
+from experiments.bench.rollout import model_config  # noqa: E402  (the rollout bench's shapes)
 
 
 class Tools:
@@ -183,7 +184,6 @@ def main():
     import jax
     from lrl import compiles
     from lrl.models import init_params
-    from experiments.bench.rollout import model_config   # the same shapes as the rollout bench
     cfg = model_config(a.smoke)
     params = init_params(cfg, jax.random.key(0))
     engine, prompts, lengths, obs, limit = build(a, cfg)
