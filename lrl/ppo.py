@@ -124,12 +124,12 @@ def init_critic(opts, model_cfg, mesh, policy_params) -> TrainState:
     else:
         params = critic_lib.params_from_policy(ccfg, policy_params, c.head_init_std,
                                                seed=opts.seed)
-    return critic_lib.init_state(ccfg, params, critic_optimizer(opts), mesh)
+    return critic_on(opts, model_cfg, mesh, params)
 
 
 def critic_on(opts, model_cfg, mesh, params) -> TrainState:
-    """The critic's train state on restored `params`, its optimizer fresh (a checkpoint that
-    kept the weights only)."""
+    """The critic's train state on `params`, its optimizer fresh: a new critic's, or one
+    restored from a checkpoint that kept the weights only."""
     ccfg = critic_lib.critic_config(model_cfg, opts.critic.remat)
     return critic_lib.init_state(ccfg, params, critic_optimizer(opts), mesh)
 
