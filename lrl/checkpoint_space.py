@@ -94,7 +94,7 @@ def warning(directory, keep: int, steps: list[int], state_bytes: int,
     which = ("the next save cannot fit" if free < need else
              f"the next save fits, but keeping {keep} needs room for {more}")
     light = ""
-    if weights_bytes and free >= max(1, keep + 1 - len(steps)) * weights_bytes:
+    if weights_bytes and free >= more * weights_bytes:
         light = (f", or save the weights only (checkpoint.contents=weights: "
                  f"{size(weights_bytes)} a save; a resume then restarts the optimizer)")
     return (f"checkpoints: {which}: {os.fspath(directory)} has {size(free)} free and "
